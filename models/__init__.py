@@ -1,0 +1,1 @@
+"""Llama-family models built from tensor-parallel layers, and their weight loading."""

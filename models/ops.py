@@ -1,0 +1,115 @@
+"""Elementwise kernels the model uses, with one switch between torch and flashinfer.
+
+The torch versions mirror HF transformers' numerics (norms in float32, RoPE in
+the activation dtype) so that CPU float32 runs match HF to rounding. The engine
+calls ``use_flashinfer(True)`` once on GPU; nothing on the hot path branches.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _add_rms_norm_torch(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    residual = x + residual
+    return _rms_norm_torch(residual, weight, eps), residual
+
+
+def _silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _rope_torch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    """Neox-style rotary embedding in place; q/k are [tokens, heads, head_dim]."""
+    half = cos_sin.shape[-1] // 2
+    cs = cos_sin[positions]
+    cos = cs[:, None, :half].to(q.dtype)
+    sin = cs[:, None, half:].to(q.dtype)
+    for t in (q, k):
+        x1, x2 = t[..., :half], t[..., half:]
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        t.copy_(rotated)
+
+
+def _rms_norm_fi(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    import flashinfer
+
+    return flashinfer.norm.rmsnorm(x, weight, eps)
+
+
+def _add_rms_norm_fi(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    import flashinfer
+
+    # In place: residual <- x + residual, x <- rmsnorm(x + residual).
+    flashinfer.norm.fused_add_rmsnorm(x, residual, weight, eps)
+    return x, residual
+
+
+def _silu_and_mul_fi(x: torch.Tensor) -> torch.Tensor:
+    import flashinfer
+
+    return flashinfer.activation.silu_and_mul(x)
+
+
+def _rope_fi(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    import flashinfer
+
+    head_dim = q.shape[-1]
+    flashinfer.rope.apply_rope_with_cos_sin_cache_inplace(
+        positions, q.view(q.shape[0], -1), k.view(k.shape[0], -1), head_dim, cos_sin, is_neox=True
+    )
+
+
+rms_norm = _rms_norm_torch
+add_rms_norm = _add_rms_norm_torch
+silu_and_mul = _silu_and_mul_torch
+apply_rope = _rope_torch
+
+
+def use_flashinfer(enabled: bool) -> None:
+    """Select the kernel set once, at engine start."""
+    global rms_norm, add_rms_norm, silu_and_mul, apply_rope
+    if enabled:
+        rms_norm, add_rms_norm, silu_and_mul, apply_rope = _rms_norm_fi, _add_rms_norm_fi, _silu_and_mul_fi, _rope_fi
+    else:
+        rms_norm, add_rms_norm = _rms_norm_torch, _add_rms_norm_torch
+        silu_and_mul, apply_rope = _silu_and_mul_torch, _rope_torch
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies, computed exactly as HF does (float32 on CPU), with llama3 scaling."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between blended smoothly.
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_mid, blended, scaled)
+
+
+def rope_cos_sin_cache(max_positions: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """[max_positions, head_dim] float32: cos of each frequency, then sin (flashinfer's layout)."""
+    freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)

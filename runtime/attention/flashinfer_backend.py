@@ -1,0 +1,105 @@
+"""flashinfer paged attention (GPU): prefill and decode wrappers, plus the CUDA-graph decode form.
+
+``plan()`` is host work that stages its schedule through one pinned buffer per
+wrapper; with overlap scheduling the host may plan step N+1 before the GPU has
+consumed step N's copy, so each wrapper waits on an event recorded after its
+previous plan (normally long done) before planning again.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from runtime.attention import host_to_device
+from runtime.batch import Batch
+from runtime.context import get_ctx
+from runtime.kv_cache import KVCache
+
+WORKSPACE_BYTES = 128 << 20
+
+
+def paged_layout(kv_lens: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """flashinfer's paged-KV description of a batch: pages per request, indptr, last page length."""
+    num_pages = (kv_lens + page_size - 1) // page_size
+    indptr = np.concatenate(([0], np.cumsum(num_pages))).astype(np.int32)
+    last_len = (kv_lens - (num_pages - 1) * page_size).astype(np.int32)
+    return num_pages, indptr, last_len
+
+
+class FlashInferBackend:
+    def __init__(
+        self, kv_cache: KVCache, page_table: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+        dtype: torch.dtype,
+    ) -> None:
+        import flashinfer
+
+        self.fi = flashinfer
+        self.kv_cache = kv_cache
+        self.page_table = page_table
+        self.device = page_table.device
+        self.heads = (num_qo_heads, num_kv_heads, head_dim)
+        self.dtype = dtype
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        # Tensor cores pay off once several query heads share a KV head.
+        self.use_tensor_cores = num_qo_heads // num_kv_heads >= 4
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
+        )
+        self.graph_decode: dict[int, object] = {}
+        self._plan_done: dict[int, torch.cuda.Event] = {}
+        self.active: object = None
+
+    def _indices(self, batch: Batch, num_pages: np.ndarray) -> torch.Tensor:
+        """Page ids of every request, concatenated, gathered from the device page table."""
+        rows = np.repeat(batch.rows, num_pages)
+        cols = np.arange(len(rows)) - np.repeat(np.cumsum(num_pages) - num_pages, num_pages)
+        idx = host_to_device(np.stack((rows, cols)).astype(np.int64), self.device)
+        return self.page_table[idx[0], idx[1]]
+
+    def _plan(self, wrapper: object, plan_call) -> None:  # noqa: ANN001
+        event = self._plan_done.get(id(wrapper))
+        if event is not None:
+            event.synchronize()  # the previous plan's pinned staging copy has been consumed
+        plan_call()
+        event = event or torch.cuda.Event()
+        event.record()
+        self._plan_done[id(wrapper)] = event
+        self.active = wrapper
+
+    def prepare(self, batch: Batch, wrapper: object | None = None) -> None:
+        hq, hkv, dim = self.heads
+        page = self.kv_cache.page_size
+        num_pages, indptr, last_len = paged_layout(batch.kv_lens, page)
+        indices = self._indices(batch, num_pages)
+        indptr_t, last_t = torch.from_numpy(indptr), torch.from_numpy(last_len)
+        if batch.is_decode:
+            wrapper = wrapper or self.decode
+            self._plan(wrapper, lambda: wrapper.plan(
+                indptr_t, indices, last_t, hq, hkv, dim, page, q_data_type=self.dtype, kv_data_type=self.dtype,
+            ))
+        else:
+            qo_indptr = torch.from_numpy(np.concatenate(([0], np.cumsum(batch.ext_lens))).astype(np.int32))
+            self._plan(self.prefill, lambda: self.prefill.plan(
+                qo_indptr, indptr_t, indices, last_t, hq, hkv, head_dim_qk=dim, page_size=page, causal=True,
+                q_data_type=self.dtype, kv_data_type=self.dtype,
+            ))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+        self.kv_cache.store(layer_id, get_ctx().batch.out_loc, k, v)
+        return self.active.run(q, (self.kv_cache.k(layer_id), self.kv_cache.v(layer_id)))
+
+    # CUDA graphs: one decode wrapper per captured batch size, over static index buffers.
+    def init_graph_wrapper(self, bs: int, max_pages_per_req: int) -> None:
+        dev = self.device
+        self.graph_decode[bs] = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+            paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=dev),
+            paged_kv_indices_buffer=torch.zeros(bs * max_pages_per_req, dtype=torch.int32, device=dev),
+            paged_kv_last_page_len_buffer=torch.zeros(bs, dtype=torch.int32, device=dev),
+        )
+
+    def prepare_graph(self, batch: Batch) -> None:
+        """Plan the graph wrapper of ``batch.padded_size`` (before capture and before every replay)."""
+        self.prepare(batch, self.graph_decode[batch.padded_size])

@@ -1,0 +1,74 @@
+"""Reference paged attention in plain PyTorch (CPU and GPU).
+
+Each step gathers every request's cached K/V through the page table into a
+padded ``[B, max_kv_len]`` view and runs masked SDPA; simple and exact, not fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from runtime.attention import host_to_device
+from runtime.batch import Batch
+from runtime.context import get_ctx
+from runtime.kv_cache import KVCache
+
+
+@dataclass
+class TorchAttnMeta:
+    kv_slots: torch.Tensor  # int64 [B, Lkv]: flat cache slot of each key position
+    mask: torch.Tensor  # bool [B, 1, Lq, Lkv]
+    q_index: torch.Tensor  # int64 [B, Lq]: packed token of each padded query (T = the zero row)
+    out_index: torch.Tensor  # int64 [T]: padded position of each packed token
+
+
+class TorchAttentionBackend:
+    def __init__(self, kv_cache: KVCache, page_table: torch.Tensor, head_dim: int) -> None:
+        self.kv_cache = kv_cache
+        self.page_table = page_table
+        self.scale = head_dim**-0.5
+        self.meta: TorchAttnMeta | None = None
+
+    def prepare(self, batch: Batch) -> None:
+        device = self.page_table.device
+        page = self.kv_cache.page_size
+        q_lens, kv_lens = batch.ext_lens, batch.kv_lens
+        n, max_q, max_kv = batch.size, int(q_lens.max()), int(kv_lens.max())
+        cu_q = np.concatenate(([0], np.cumsum(q_lens)))
+        i = np.arange(max_q)
+        q_valid = i[None, :] < q_lens[:, None]
+        q_index = np.where(q_valid, cu_q[:-1, None] + i[None, :], cu_q[-1])
+        out_index = (np.arange(n)[:, None] * max_q + i[None, :])[q_valid]
+        host = np.concatenate((q_index.ravel(), out_index, batch.rows, batch.starts, q_lens, kv_lens)).astype(np.int64)
+        dev = host_to_device(host, device)
+        sizes = [n * max_q, len(out_index), n, n, n, n]
+        q_index_d, out_index_d, rows, starts, q_lens_d, kv_lens_d = dev.split(sizes)
+        j = torch.arange(max_kv, device=device)
+        slots = self.page_table[rows][:, j // page].long() * page + j % page
+        key_ok = j[None, :] < kv_lens_d[:, None]  # [B, Lkv]
+        query_pos = starts[:, None] + torch.arange(max_q, device=device)[None, :]  # [B, Lq]
+        causal = j[None, None, :] <= query_pos[:, :, None]
+        q_ok = torch.arange(max_q, device=device)[None, :] < q_lens_d[:, None]
+        # Padded query rows attend to key 0 only so softmax stays finite; their output is dropped.
+        mask = (causal & key_ok[:, None, :]) | (~q_ok[:, :, None] & (j == 0)[None, None, :])
+        self.meta = TorchAttnMeta(slots, mask[:, None], q_index_d.view(n, max_q), out_index_d)
+        batch.attn_meta = self.meta
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+        meta = self.meta
+        self.kv_cache.store(layer_id, get_ctx().batch.out_loc, k, v)
+        heads, dim = q.shape[1:]
+        kv_heads = k.shape[1]
+        q_pad = torch.cat((q, q.new_zeros(1, heads, dim)))[meta.q_index]  # [B, Lq, H, D]
+        keys = self.kv_cache.k(layer_id).view(-1, kv_heads, dim)[meta.kv_slots]  # [B, Lkv, Hkv, D]
+        values = self.kv_cache.v(layer_id).view(-1, kv_heads, dim)[meta.kv_slots]
+        out = F.scaled_dot_product_attention(
+            q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=meta.mask, scale=self.scale, enable_gqa=True,
+        )
+        return out.transpose(1, 2).reshape(-1, heads, dim)[meta.out_index]
+

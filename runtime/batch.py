@@ -1,0 +1,113 @@
+"""Requests and batches.
+
+A ``Batch`` is described by a handful of int arrays (rows, start positions,
+lengths, where each sampled token goes, newly admitted prompts and pages).
+That descriptor is all the engine needs, so non-zero TP ranks can rebuild a
+batch from a broadcast without any ``Req`` objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from runtime.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class Req:
+    uid: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_new_tokens: int  # after clamping to the maximum sequence length
+    run_seed: int = 0  # engine.seed: unseeded requests draw from (run_seed, uid)
+    table_idx: int = -1  # row of the page table and token pool while admitted
+    pages: list[int] = field(default_factory=list)
+    cached_len: int = 0  # tokens whose KV is written (as of the last launched step)
+    device_len: int = 0  # tokens the device token pool holds (prompt + launched samples)
+    output_ids: list[int] = field(default_factory=list)  # tokens received on the host
+    finish_reason: str | None = None
+    text: str = ""
+    detok: Any = None  # incremental detokenizer, only for requests with stop strings
+    sampling_row: tuple = ()  # (temperature, top_k, top_p, seed, seeded), fixed for the request's life
+
+    def __post_init__(self) -> None:
+        self.device_len = len(self.prompt_ids)
+        p = self.sampling
+        seed = p.seed if p.seed is not None else (self.run_seed << 32) + self.uid
+        temperature = 0.0 if p.is_greedy else p.temperature
+        self.sampling_row = (temperature, p.top_k, p.top_p, seed, p.seed is not None)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.cached_len >= self.prompt_len
+
+    @property
+    def launched_new(self) -> int:
+        """Tokens whose sampling has been launched (some may still be in flight)."""
+        return self.device_len - self.prompt_len
+
+    @property
+    def wants_decode(self) -> bool:
+        return self.finish_reason is None and self.prefill_done and self.launched_new < self.max_new_tokens
+
+    def complete_one(self, ext_len: int) -> None:
+        """Advance host bookkeeping for a launched step of ``ext_len`` tokens."""
+        self.cached_len += ext_len
+        if self.cached_len == self.device_len:
+            self.device_len += 1  # the step samples the next token into the pool
+
+
+@dataclass
+class Batch:
+    phase: Literal["prefill", "decode"]
+    rows: np.ndarray  # int32 [B]: page-table / token-pool row of each request
+    starts: np.ndarray  # int32 [B]: first position computed this step
+    ext_lens: np.ndarray  # int32 [B]: tokens computed this step
+    sample_rows: np.ndarray  # int32 [B]: row the sampled token is written to (the dummy row discards it)
+    temperature: np.ndarray  # float32 [B], 0 = greedy
+    top_k: np.ndarray  # int32 [B], <= 0 disables
+    top_p: np.ndarray  # float32 [B]
+    seeds: np.ndarray  # int64 [B]: counter-RNG seed for each request
+    seeded: np.ndarray  # bool [B]: the request asked for a seed (must not depend on batching)
+    # Newly admitted requests: their rows, prompt tokens and KV pages, written before the step.
+    admit_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    admit_token_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    admit_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    admit_page_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    admit_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    reqs: list[Req] = field(default_factory=list)  # rank 0 only
+    # Filled by the engine before the forward pass.
+    padded_size: int = 0
+    input_ids: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    out_loc: torch.Tensor | None = None
+    logits_indices: torch.Tensor | None = None
+    attn_meta: Any = None
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.phase == "decode"
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.ext_lens.sum())
+
+    @property
+    def kv_lens(self) -> np.ndarray:
+        return self.starts + self.ext_lens
+
+    @property
+    def all_greedy(self) -> bool:
+        return not self.temperature.any()

@@ -1,0 +1,191 @@
+"""The configuration schema (omegaconf structured configs) and its loader.
+
+One schema for everything a run needs. YAML files merge in order, then
+``key=value`` overrides; unknown keys, wrong types and bad values fail at start
+with a message that names the key (and the nearest valid one for a typo).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+DEFAULT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences what a GPU is.",
+    "List three prime numbers greater than 10.",
+]
+
+
+@dataclass
+class ModelSection:
+    path: str = "default"  # "default" = the embedded SmolLM2-135M-Instruct, or a local HF-format directory
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on GPU, float32 on CPU)
+    max_seq_len: int = 4096  # capped at the model's max_position_embeddings
+
+
+@dataclass
+class CacheSection:
+    page_size: int = 16
+    memory_ratio: float = 0.9  # share of free GPU memory (before loading) for model + KV cache
+    cpu_memory_bytes: int = 2 << 30  # on CPU this budget stands in for free GPU memory
+    num_pages: int = 0  # > 0 fixes the KV page count instead of the formula
+
+
+@dataclass
+class SchedulerSection:
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 8192  # prefill tokens per step; longer prompts are chunked
+    overlap: bool = True  # schedule step N+1 while the GPU runs step N
+
+
+@dataclass
+class EngineSection:
+    device: str = "auto"  # auto | cpu | cuda
+    attention_backend: str = "auto"  # auto | torch | flashinfer
+    kernels: str = "auto"  # auto | torch | flashinfer: norms, RoPE, activation, sampling
+    cuda_graph_max_bs: int = 256  # largest decode batch replayed from a CUDA graph; 0 disables graphs
+    seed: int = 0
+
+
+@dataclass
+class SamplingSection:
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+
+@dataclass
+class JobSection:
+    prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))
+    input: str | None = None  # JSONL rows {"id", "prompt" | "messages", "sampling"?}
+    output: str | None = None  # JSONL results, one row per input id
+    chat_template: bool = True  # apply the model's chat template to plain-string prompts
+
+
+@dataclass
+class ParallelSection:
+    timeout_s: int = 300  # collective timeout
+    memory_imbalance_bytes: int = 2 << 30  # refuse to start if ranks' free memory differs by more
+
+
+@dataclass
+class LoggingSection:
+    level: str = "INFO"
+
+
+@dataclass
+class RuntimeConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    cache: CacheSection = field(default_factory=CacheSection)
+    scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    engine: EngineSection = field(default_factory=EngineSection)
+    sampling: SamplingSection = field(default_factory=SamplingSection)
+    job: JobSection = field(default_factory=JobSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported before anything heavy starts."""
+
+
+_CHOICES = {
+    "model.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "engine.device": ("auto", "cpu", "cuda"),
+    "engine.attention_backend": ("auto", "torch", "flashinfer"),
+    "engine.kernels": ("auto", "torch", "flashinfer"),
+    "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
+}
+_POSITIVE = ("model.max_seq_len", "cache.page_size", "scheduler.max_running_requests", "scheduler.max_prefill_tokens")
+
+
+def _all_keys(node: Any, prefix: str = "") -> list[str]:
+    keys = []
+    for k, v in node.items():
+        full = f"{prefix}{k}"
+        keys.append(full)
+        if isinstance(v, DictConfig):
+            keys.extend(_all_keys(v, full + "."))
+    return keys
+
+
+def _explain(exc: OmegaConfBaseException, schema: DictConfig, source: str) -> ConfigError:
+    key = getattr(exc, "full_key", None) or ""
+    msg = getattr(exc, "msg", None) or str(exc).splitlines()[0]
+    if "not in struct" in str(exc) or "Key '" in msg and "not in" in msg:
+        near = difflib.get_close_matches(key, _all_keys(schema), n=1, cutoff=0.6)
+        hint = f"; did you mean '{near[0]}'?" if near else ""
+        return ConfigError(f"{source}: unknown config key '{key}'{hint}")
+    return ConfigError(f"{source}: invalid value for config key '{key}': {msg}")
+
+
+def _validate(cfg: RuntimeConfig) -> None:
+    for key, allowed in _CHOICES.items():
+        value = OmegaConf.select(OmegaConf.structured(cfg), key)
+        if value not in allowed:
+            raise ConfigError(f"config key '{key}'={value!r} must be one of {list(allowed)}")
+    for key in _POSITIVE:
+        value = OmegaConf.select(OmegaConf.structured(cfg), key)
+        if value <= 0:
+            raise ConfigError(f"config key '{key}'={value} must be > 0")
+    if not 0.0 < cfg.cache.memory_ratio <= 1.0:
+        raise ConfigError(f"config key 'cache.memory_ratio'={cfg.cache.memory_ratio} must be in (0, 1]")
+    if cfg.engine.cuda_graph_max_bs < 0:
+        raise ConfigError("config key 'engine.cuda_graph_max_bs' must be >= 0 (0 disables CUDA graphs)")
+    from runtime.sampling_params import SamplingParams
+
+    try:
+        SamplingParams(**vars(cfg.sampling))
+    except ValueError as exc:
+        raise ConfigError(f"config section 'sampling': {exc}") from None
+
+
+def load_config(paths: list[str | Path] | None = None, overrides: list[str] | None = None) -> RuntimeConfig:
+    """Schema <- each YAML file in order <- ``key=value`` overrides; validated."""
+    schema = OmegaConf.structured(RuntimeConfig)
+    merged = schema
+    for path in paths or []:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"config file {file} does not exist")
+        try:
+            layer = OmegaConf.load(file)
+        except Exception as exc:  # yaml.YAMLError and friends: report file and position
+            raise ConfigError(f"config file {file} is not valid YAML: {exc}") from None
+        if not isinstance(layer, DictConfig):
+            raise ConfigError(f"config file {file} must hold a mapping of sections, not {type(layer).__name__}")
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as exc:
+            raise _explain(exc, schema, str(file)) from None
+    for item in overrides or []:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as exc:
+            raise _explain(exc, schema, f"override {item!r}") from None
+        except Exception as exc:
+            raise ConfigError(f"override {item!r} cannot be parsed: {exc}") from None
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        raise _explain(exc, schema, "config") from None
+    _validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg: RuntimeConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -1,0 +1,39 @@
+"""The global forward context: what ``model.forward()`` reads instead of taking arguments."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from runtime.batch import Batch
+
+
+@dataclass
+class ForwardContext:
+    attn_backend: Any
+    batch: Batch | None = None
+
+    @contextmanager
+    def forward_batch(self, batch: Batch) -> Iterator[None]:
+        self.batch = batch
+        try:
+            yield
+        finally:
+            self.batch = None
+
+
+_ctx: ForwardContext | None = None
+
+
+def set_ctx(ctx: ForwardContext) -> None:
+    global _ctx
+    _ctx = ctx
+
+
+def get_ctx() -> ForwardContext:
+    if _ctx is None:
+        raise RuntimeError("no forward context: the engine sets it before running the model")
+    return _ctx

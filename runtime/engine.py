@@ -1,0 +1,233 @@
+"""The engine: the data plane of the walkthrough (load, size the KV cache, run a step, sample).
+
+Every rank runs an Engine; only rank 0 also runs the scheduler. ``forward_batch``
+returns at once with ``ForwardOutput(next_tokens_gpu, next_tokens_cpu,
+copy_done_event)``: the device-to-host copy of the tokens is enqueued on the
+engine stream and only the consumer waits for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from models import ops
+from models.config import ModelConfig
+from models.loader import load_model
+from parallel.state import get_cpu_group, get_tp
+from runtime.attention import host_to_device
+from runtime.batch import Batch
+from runtime.config import RuntimeConfig
+from runtime.context import ForwardContext, set_ctx
+from runtime.kv_cache import DUMMY_PAGE, KVCache, compute_num_pages, page_bytes
+from runtime.sampler import Sampler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ForwardOutput:
+    next_tokens_gpu: torch.Tensor
+    next_tokens_cpu: torch.Tensor
+    copy_done_event: torch.cuda.Event | None  # None on CPU, where the copy is synchronous
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise RuntimeError("engine.device=cuda but CUDA is not available on this machine")
+        return torch.device("cuda", get_tp().local_rank)
+    return torch.device("cpu")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def agree_on_memory(free_bytes: int) -> tuple[int, int]:
+    """(min, max) of a number over all ranks with ONE all_reduce(MIN) of [free, -free] on the CPU group."""
+    t = torch.tensor([free_bytes, -free_bytes], dtype=torch.int64)
+    if get_tp().size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=get_cpu_group())
+    return int(t[0]), -int(t[1])
+
+
+class Engine:
+    def __init__(self, cfg: RuntimeConfig, model_dir: Path, model_config: ModelConfig) -> None:
+        self.cfg = cfg
+        self.model_config = model_config
+        self.device = resolve_device(cfg.engine.device)
+        self.dtype = resolve_dtype(cfg.model.dtype, self.device)
+        on_gpu = self.device.type == "cuda"
+        if on_gpu:
+            torch.cuda.set_device(self.device)
+        self.stream = torch.cuda.Stream(self.device) if on_gpu else None
+        self.max_seq_len = min(cfg.model.max_seq_len, model_config.max_position_embeddings)
+        self.page_size = cfg.cache.page_size
+        self.max_pages_per_req = -(-self.max_seq_len // self.page_size)
+        self.max_running = cfg.scheduler.max_running_requests
+        self.dummy_row = self.max_running  # the extra last row: padding and discarded samples
+
+        kernels = cfg.engine.kernels
+        use_fi = on_gpu if kernels == "auto" else kernels == "flashinfer"
+        if use_fi and not on_gpu:
+            raise ValueError("engine.kernels=flashinfer needs a CUDA device")
+        ops.use_flashinfer(use_fi)
+
+        free_before = self._free_memory()
+        self.model = load_model(model_dir, model_config, self.device, self.dtype, self.max_seq_len + 1)
+        self.num_pages = self._determine_num_pages(free_before)
+        heads = self.model.model.layers[0].self_attn
+        self.kv_cache = KVCache(
+            model_config.num_layers, self.num_pages, self.page_size, heads.num_kv_heads, model_config.head_dim,
+            self.dtype, self.device,
+        )
+        rows = self.max_running + 1
+        self.page_table = torch.full((rows, self.max_pages_per_req), DUMMY_PAGE, dtype=torch.int32, device=self.device)
+        # Token ids live on the device so decode reads its input without waiting for the host.
+        self.token_pool = torch.zeros(rows, self.max_seq_len + 1, dtype=torch.int32, device=self.device)
+
+        backend = cfg.engine.attention_backend
+        if backend == "auto":
+            backend = "flashinfer" if on_gpu else "torch"
+        if backend == "flashinfer":
+            if not on_gpu:
+                raise ValueError("engine.attention_backend=flashinfer needs a CUDA device")
+            from runtime.attention.flashinfer_backend import FlashInferBackend
+
+            self.attn_backend = FlashInferBackend(
+                self.kv_cache, self.page_table, heads.num_heads, heads.num_kv_heads, model_config.head_dim, self.dtype
+            )
+        else:
+            from runtime.attention.torch_backend import TorchAttentionBackend
+
+            self.attn_backend = TorchAttentionBackend(self.kv_cache, self.page_table, model_config.head_dim)
+        self.ctx = ForwardContext(self.attn_backend)
+        set_ctx(self.ctx)
+        self.sampler = Sampler(model_config.vocab_size, self.device, use_fi, cfg.engine.seed)
+        self.graph_runner = None
+        if on_gpu and backend == "flashinfer" and cfg.engine.cuda_graph_max_bs > 0:
+            from runtime.graph import GraphRunner
+
+            with torch.cuda.stream(self.stream):
+                self.graph_runner = GraphRunner(self, min(cfg.engine.cuda_graph_max_bs, self.max_running))
+        if on_gpu:
+            torch.cuda.synchronize(self.device)
+
+    # ---- memory ---------------------------------------------------------------------------------------
+    def _free_memory(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.mem_get_info(self.device)[0]
+        # On CPU a configured budget stands in for free device memory, less what this process has placed.
+        return self.cfg.cache.cpu_memory_bytes - getattr(self, "_cpu_used", 0)
+
+    def _determine_num_pages(self, free_before_local: int) -> int:
+        if self.device.type == "cpu":
+            self._cpu_used = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        min_before, max_before = agree_on_memory(free_before_local)
+        margin = self.cfg.parallel.memory_imbalance_bytes
+        if max_before - min_before > margin:
+            raise RuntimeError(
+                f"free device memory differs across ranks by {(max_before - min_before) / 2**30:.2f} GiB "
+                f"(min {min_before / 2**30:.2f}, max {max_before / 2**30:.2f}), more than "
+                f"parallel.memory_imbalance_bytes={margin}; is another job using some of the GPUs?"
+            )
+        min_after, _ = agree_on_memory(self._free_memory())
+        model_bytes = min_before - min_after
+        local_heads = self.model.model.layers[0].self_attn.num_kv_heads
+        per_page = page_bytes(self.model_config.num_layers, local_heads, self.model_config.head_dim, self.page_size, self.dtype)
+        if self.cfg.cache.num_pages > 0:
+            num_pages = self.cfg.cache.num_pages
+        else:
+            num_pages = compute_num_pages(min_before, model_bytes, self.cfg.cache.memory_ratio, per_page)
+            # More pages than every running request at full length could use would sit idle.
+            num_pages = min(num_pages, self.max_running * self.max_pages_per_req + 1)
+        if num_pages < 2:
+            raise RuntimeError(
+                f"no room for the KV cache: {num_pages} pages of {per_page} bytes after the model ({model_bytes} bytes);"
+                " raise cache.memory_ratio (GPU) or cache.cpu_memory_bytes (CPU), or use more GPUs"
+            )
+        log.info("KV cache: %d pages of %d tokens (%.2f GiB)", num_pages, self.page_size, num_pages * per_page / 2**30)
+        return num_pages
+
+    # ---- one step ---------------------------------------------------------------------------------------
+    def _stream(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def _prepare_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write admissions into the device pools, then gather this step's inputs from them.
+
+        Everything the host contributes travels in one pinned copy; the rest is device-side indexing.
+        """
+        ext = batch.ext_lens
+        n_tok = int(ext.sum())
+        if batch.is_decode:
+            tok_rows, tok_pos = batch.rows, batch.starts
+        else:
+            tok_rows = np.repeat(batch.rows, ext)
+            tok_pos = np.arange(n_tok) - np.repeat(np.cumsum(ext) - ext - batch.starts, ext)
+        adm_tok_rows = np.repeat(batch.admit_rows, batch.admit_token_lens)
+        adm_tok_cols = _ranges(batch.admit_token_lens)
+        adm_page_rows = np.repeat(batch.admit_rows, batch.admit_page_lens)
+        adm_page_cols = _ranges(batch.admit_page_lens)
+        parts = [
+            tok_rows, tok_pos, batch.sample_rows, batch.kv_lens, np.cumsum(ext) - 1,
+            adm_tok_rows, adm_tok_cols, batch.admit_tokens, adm_page_rows, adm_page_cols, batch.admit_pages,
+        ]
+        sizes = [len(p) for p in parts]
+        dev = host_to_device(np.concatenate(parts).astype(np.int64), self.device).split(sizes)
+        rows, pos, sample_rows, kv_lens, last_idx, a_rows, a_cols, a_tok, p_rows, p_cols, p_ids = dev
+        if len(a_rows):
+            self.token_pool[a_rows, a_cols] = a_tok.int()
+        if len(p_rows):
+            self.page_table[p_rows, p_cols] = p_ids.int()
+        page = self.page_size
+        batch.input_ids = self.token_pool[rows, pos]
+        batch.positions = pos
+        batch.out_loc = self.page_table[rows, pos // page].long() * page + pos % page
+        batch.logits_indices = None if batch.is_decode else last_idx
+        return sample_rows, kv_lens
+
+    def forward_batch(self, batch: Batch) -> ForwardOutput:
+        n = batch.size
+        with self._stream():
+            use_graph = self.graph_runner is not None and self.graph_runner.can_use(batch)
+            run = self.graph_runner.pad(batch) if use_graph else batch
+            sample_rows, kv_lens = self._prepare_inputs(run)
+            args = self.sampler.prepare(batch)
+            with self.ctx.forward_batch(run):
+                if use_graph:
+                    logits = self.graph_runner.replay(run)
+                else:
+                    self.attn_backend.prepare(run)
+                    logits = self.model.forward()
+            # Bookkeeping before the step returns, so the scheduler's next decision sees it.
+            for req, ext_len in zip(batch.reqs, batch.ext_lens.tolist()):
+                req.complete_one(ext_len)
+            next_tokens = self.sampler.sample(logits[:n], args).to(torch.int32)
+            # The sampled token becomes the next decode input (discarded rows write to the dummy row).
+            self.token_pool[sample_rows[:n], kv_lens[:n]] = next_tokens
+            if self.stream is None:
+                return ForwardOutput(next_tokens, next_tokens, None)
+            next_cpu = torch.empty(n, dtype=torch.int32, pin_memory=True)
+            next_cpu.copy_(next_tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return ForwardOutput(next_tokens, next_cpu, event)
+
+
+def _ranges(lengths: np.ndarray) -> np.ndarray:
+    """Concatenated ``arange(n)`` for each n in ``lengths``."""
+    total = int(lengths.sum())
+    return np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)

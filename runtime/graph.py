@@ -1,0 +1,94 @@
+"""CUDA graphs for decode steps (the walkthrough's GraphRunner).
+
+Batch sizes ``[1, 2, 4, 8, 16, 24, ...]`` up to a maximum are captured largest
+first into one shared memory pool, each after a warm-up run. Inputs live in
+static buffers and logits in one preallocated buffer; a live batch is padded to
+the next captured size with dummy requests on the reserved dummy row/page.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from runtime.batch import Batch
+
+
+def graph_batch_sizes(max_bs: int) -> list[int]:
+    return [bs for bs in [1, 2, 4, *range(8, max_bs + 1, 8)] if bs <= max_bs]
+
+
+class GraphRunner:
+    def __init__(self, engine, max_bs: int) -> None:  # noqa: ANN001 - Engine, avoids an import cycle
+        self.engine = engine
+        self.bs_list = graph_batch_sizes(max_bs)
+        self.max_bs = self.bs_list[-1]
+        dev = engine.device
+        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int32, device=dev)
+        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.out_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.logits = torch.zeros(self.max_bs, engine.model_config.vocab_size, dtype=torch.float32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._capture_all()
+
+    def can_use(self, batch: Batch) -> bool:
+        return batch.is_decode and batch.size <= self.max_bs
+
+    def pad(self, batch: Batch) -> Batch:
+        """The batch padded to the next captured size with dummy requests (row = dummy row, length 1)."""
+        size = next(bs for bs in self.bs_list if bs >= batch.size)
+        extra = size - batch.size
+        padded = dataclasses.replace(
+            batch,
+            rows=np.concatenate((batch.rows, np.full(extra, self.engine.dummy_row, np.int32))),
+            starts=np.concatenate((batch.starts, np.zeros(extra, np.int32))),
+            ext_lens=np.concatenate((batch.ext_lens, np.ones(extra, np.int32))),
+            sample_rows=np.concatenate((batch.sample_rows, np.full(extra, self.engine.dummy_row, np.int32))),
+        )
+        padded.padded_size = size
+        return padded
+
+    def _dummy_batch(self, bs: int) -> Batch:
+        e = self.engine
+        zeros = np.zeros(bs, np.int32)
+        batch = Batch(
+            phase="decode", rows=np.full(bs, e.dummy_row, np.int32), starts=zeros, ext_lens=zeros + 1,
+            sample_rows=np.full(bs, e.dummy_row, np.int32), temperature=np.zeros(bs, np.float32),
+            top_k=zeros, top_p=np.ones(bs, np.float32), seeds=np.zeros(bs, np.int64), seeded=np.zeros(bs, bool),
+        )
+        batch.padded_size = bs
+        self._bind_static(batch, bs)
+        return batch
+
+    def _bind_static(self, batch: Batch, bs: int) -> None:
+        batch.input_ids, batch.positions, batch.out_loc = self.input_ids[:bs], self.positions[:bs], self.out_loc[:bs]
+        batch.logits_indices = None
+
+    def _capture_all(self) -> None:
+        e = self.engine
+        pool = None
+        for bs in sorted(self.bs_list, reverse=True):
+            e.attn_backend.init_graph_wrapper(bs, e.max_pages_per_req)
+            batch = self._dummy_batch(bs)
+            e.attn_backend.prepare_graph(batch)
+            with e.ctx.forward_batch(batch):
+                self.logits[:bs] = e.model.forward()  # warm-up: lazy allocations and kernel loads
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=e.stream):
+                    self.logits[:bs] = e.model.forward()
+            if pool is None:
+                pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(e.device)
+
+    def replay(self, batch: Batch) -> torch.Tensor:
+        """Run a padded decode batch whose inputs the engine has prepared; returns its logits."""
+        bs = batch.padded_size
+        self.input_ids[:bs].copy_(batch.input_ids)
+        self.positions[:bs].copy_(batch.positions)
+        self.out_loc[:bs].copy_(batch.out_loc)
+        self.engine.attn_backend.prepare_graph(batch)
+        self.graphs[bs].replay()
+        return self.logits[:bs]

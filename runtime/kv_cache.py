@@ -1,0 +1,70 @@
+"""Paged KV cache: sizing formula, storage, and the page allocator.
+
+Page 0 is the reserved dummy page: padded CUDA-graph slots and unused
+page-table entries point at it, so every index the kernels read is valid.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DUMMY_PAGE = 0
+
+
+def page_bytes(num_layers: int, num_kv_heads_local: int, head_dim: int, page_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one page across all layers: K and V, this rank's KV heads."""
+    return 2 * num_layers * num_kv_heads_local * head_dim * page_size * dtype.itemsize
+
+
+def compute_num_pages(free_before_load: int, model_bytes: int, memory_ratio: float, bytes_per_page: int) -> int:
+    """The walkthrough's budget: ``memory_ratio`` of the free memory before loading, less the model."""
+    available = int(memory_ratio * free_before_load) - model_bytes
+    return max(available // bytes_per_page, 0)
+
+
+class KVCache:
+    """One tensor ``[layers, 2, pages, page_size, kv_heads, head_dim]`` (flashinfer's NHD layout per layer)."""
+
+    def __init__(
+        self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+        dtype: torch.dtype, device: torch.device,
+    ) -> None:
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.buffer = torch.zeros(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+
+    def k(self, layer: int) -> torch.Tensor:
+        return self.buffer[layer, 0]
+
+    def v(self, layer: int) -> torch.Tensor:
+        return self.buffer[layer, 1]
+
+    def store(self, layer: int, out_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write this step's K/V at flat slot indices ``page * page_size + offset``."""
+        heads, dim = k.shape[-2:]
+        self.buffer[layer, 0].view(-1, heads, dim)[out_loc] = k
+        self.buffer[layer, 1].view(-1, heads, dim)[out_loc] = v
+
+
+class PageAllocator:
+    """Free list of page ids; the dummy page is never handed out."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages < 2:
+            raise ValueError(f"the KV cache has {num_pages} pages; at least 2 are needed (one is the dummy page)")
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, DUMMY_PAGE, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"page allocator asked for {n} pages with {len(self._free)} free")
+        pages = self._free[len(self._free) - n :]
+        del self._free[len(self._free) - n :]
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(pages)

@@ -1,0 +1,144 @@
+"""The Python API: ``LLM(...).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+from models.config import ModelConfig
+from models.default_model import resolve_model_path
+from runtime.batch import Req
+from runtime.config import RuntimeConfig, load_config
+from runtime.engine import Engine
+from runtime.loop import run_until_idle
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler import Scheduler
+from runtime.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
+
+Prompt = Union[str, list[int], list[dict[str, str]]]
+
+
+@dataclass
+class RequestOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] | None = None
+    finish_reason: str | None = None  # "stop" | "length"; None with an error
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+class LLM:
+    def __init__(
+        self, model: str | None = None, *, config: RuntimeConfig | None = None, overrides: Sequence[str] = ()
+    ) -> None:
+        cfg = config if config is not None else load_config(overrides=list(overrides))
+        if model is not None:
+            cfg.model.path = model
+        self.cfg = cfg
+        self.model_dir = resolve_model_path(cfg.model.path)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.eos_ids = eos_token_ids(self.model_dir, self.tokenizer)
+        self.engine = Engine(cfg, self.model_dir, self.model_config)
+        e = self.engine
+        self.scheduler = Scheduler(cfg.scheduler, e.num_pages, e.page_size, e.max_seq_len, e.dummy_row, self.eos_ids)
+        self._next_uid = 0
+        self.last_stats: dict[str, float] = {}
+
+    # ---- prompts ----------------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt: text, token ids, or chat messages (chat template applied)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            for m in prompt:
+                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                    raise ValueError("each chat message needs string 'role' and 'content' fields")
+            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = self.model_config.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            return list(prompt)
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("prompt is empty")
+        raise ValueError(f"a prompt must be a string, a list of token ids or a list of chat messages, not {type(prompt).__name__}")
+
+    def make_request(self, prompt: Prompt, params: SamplingParams) -> Req:
+        ids = self.encode(prompt)
+        limit = self.engine.max_seq_len
+        if len(ids) >= limit:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; the maximum sequence length is {limit} (model.max_seq_len),"
+                " which must leave room for at least one new token"
+            )
+        uid = self._next_uid
+        self._next_uid += 1
+        req = Req(uid, ids, params, min(params.max_new_tokens, limit - len(ids)), run_seed=self.cfg.engine.seed)
+        if params.stop:
+            req.detok = IncrementalDetokenizer(self.tokenizer)
+        return req
+
+    def default_sampling(self) -> SamplingParams:
+        return SamplingParams(**vars(self.cfg.sampling))
+
+    # ---- generation -------------------------------------------------------------------------------------
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in input order, a failed request as its error."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.default_sampling()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")
+        return self.run([(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))])
+
+    def run(self, items: Sequence[tuple[Any, Prompt, SamplingParams]], on_result=None) -> list[RequestOutput]:  # noqa: ANN001
+        """Serve (key, prompt, params) items; ``on_result(key, output)`` fires as each one completes."""
+        outputs: dict[int, RequestOutput] = {}
+        keys: dict[int, Any] = {}
+        order: list[int] = []
+        for key, prompt, params in items:
+            position = len(order)
+            order.append(position)
+            keys[position] = key
+            try:
+                req = self.make_request(prompt, params)
+                req.index = position  # type: ignore[attr-defined]
+                self.scheduler.add(req)
+            except ValueError as exc:
+                outputs[position] = RequestOutput(index=position, error=str(exc))
+                if on_result is not None:
+                    on_result(key, outputs[position])
+
+        def finish(req: Req) -> None:
+            text = req.text if req.detok is not None and req.finish_reason == "stop" and req.text else None
+            if text is None:
+                text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+            out = RequestOutput(
+                index=req.index, text=text, token_ids=list(req.output_ids), finish_reason=req.finish_reason,  # type: ignore[attr-defined]
+                prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids),
+            )
+            outputs[out.index] = out
+            if on_result is not None:
+                on_result(keys[out.index], out)
+
+        start = time.perf_counter()
+        run_until_idle(self.scheduler, self.engine, self.cfg.scheduler.overlap, finish)
+        elapsed = time.perf_counter() - start
+        done = [outputs[i] for i in order]
+        generated = sum(o.completion_tokens for o in done)
+        self.last_stats = {"seconds": elapsed, "output_tokens": generated, "tokens_per_s": generated / max(elapsed, 1e-9)}
+        return done

@@ -1,0 +1,58 @@
+"""Per-request sampling parameters, validated when a request is made."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = -1  # -1 (or 0) keeps the whole vocabulary
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"sampling parameter {name}={getattr(self, name)!r} {why}")
+
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "must be a finite number >= 0 (0 means greedy)")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise bad("top_k", "must be an integer >= 1, or -1/0 to disable")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens <= 0:
+            raise bad("max_new_tokens", "must be an integer > 0")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be a list of non-empty strings")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of token ids >= 0")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
+            raise bad("seed", "must be an integer >= 0")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], base: SamplingParams | None = None) -> SamplingParams:
+        """Build from a JSON-like dict, on top of ``base``; unknown names are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
+        merged = {f.name: getattr(base, f.name) for f in fields(cls)} if base else {}
+        merged.update(values)
+        return cls(**merged)

@@ -1,0 +1,178 @@
+"""Rank 0's scheduler: continuous batching with chunked prefill over a paged KV cache.
+
+Policy: prefill first (continue chunked prompts, then admit waiting requests
+in arrival order while the step's token budget, free rows and free pages
+allow), otherwise decode every running request. A request is admitted only
+when pages for its whole reservation (prompt + max_new_tokens) are free, so
+the cache is never over-committed and nothing is ever preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from runtime.batch import Batch, Req
+from runtime.config import SchedulerSection
+from runtime.kv_cache import PageAllocator
+from runtime.tokenizer import find_stop
+
+
+@dataclass
+class SchedulerStats:
+    page_waits: int = 0  # steps in which the next waiting request had to wait for free pages
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self, cfg: SchedulerSection, num_pages: int, page_size: int, max_seq_len: int, dummy_row: int,
+        eos_ids: set[int],
+    ) -> None:
+        self.cfg = cfg
+        self.page_size = page_size
+        self.max_seq_len = max_seq_len
+        self.dummy_row = dummy_row
+        self.eos_ids = frozenset(eos_ids)
+        self.allocator = PageAllocator(num_pages)
+        self.free_rows = list(range(cfg.max_running_requests - 1, -1, -1))
+        self.waiting: deque[Req] = deque()
+        self.prefilling: list[Req] = []
+        self.running: list[Req] = []
+        self.stats = SchedulerStats()
+
+    # ---- admission --------------------------------------------------------------------------------------
+    def pages_for(self, req: Req) -> int:
+        # KV is written for every token but the last sampled one.
+        return -(-(req.prompt_len + req.max_new_tokens - 1) // self.page_size)
+
+    def add(self, req: Req) -> None:
+        """Queue a request; raises ValueError (for that request only) if it can never be served."""
+        need = self.pages_for(req)
+        if need > self.allocator.num_pages - 1:
+            raise ValueError(
+                f"request needs {need} KV pages for {req.prompt_len} prompt + {req.max_new_tokens} new tokens,"
+                f" but the whole cache has {self.allocator.num_pages - 1}"
+            )
+        self.waiting.append(req)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.prefilling or self.running)
+
+    # ---- one decision -----------------------------------------------------------------------------------
+    def schedule(self) -> Batch | None:
+        self.running.extend(r for r in self.prefilling if r.prefill_done)
+        self.prefilling = [r for r in self.prefilling if not r.prefill_done]
+        self.running = [r for r in self.running if r.finish_reason is None]
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _schedule_prefill(self) -> Batch | None:
+        budget = self.cfg.max_prefill_tokens
+        chunks: list[tuple[Req, int]] = []
+        for req in self.prefilling:
+            if budget == 0:
+                break
+            n = min(req.prompt_len - req.cached_len, budget)
+            chunks.append((req, n))
+            budget -= n
+        admitted: list[Req] = []
+        while self.waiting and budget > 0 and self.free_rows:
+            req = self.waiting[0]
+            need = self.pages_for(req)
+            if need > self.allocator.num_free:
+                self.stats.page_waits += 1
+                break
+            self.waiting.popleft()
+            req.pages = self.allocator.alloc(need)
+            req.table_idx = self.free_rows.pop()
+            self.prefilling.append(req)
+            admitted.append(req)
+            n = min(req.prompt_len, budget)
+            chunks.append((req, n))
+            budget -= n
+        if not chunks:
+            return None
+        reqs = [r for r, _ in chunks]
+        ext = np.array([n for _, n in chunks], np.int32)
+        starts = np.array([r.cached_len for r in reqs], np.int32)
+        rows = np.array([r.table_idx for r in reqs], np.int32)
+        completes = starts + ext >= np.array([r.prompt_len for r in reqs], np.int32)
+        batch = self._batch("prefill", reqs, rows, starts, ext, np.where(completes, rows, self.dummy_row))
+        if admitted:
+            batch.admit_rows = np.array([r.table_idx for r in admitted], np.int32)
+            batch.admit_token_lens = np.array([r.prompt_len for r in admitted], np.int32)
+            batch.admit_tokens = np.concatenate([np.asarray(r.prompt_ids, np.int32) for r in admitted])
+            batch.admit_page_lens = np.array([len(r.pages) for r in admitted], np.int32)
+            batch.admit_pages = np.concatenate([np.asarray(r.pages, np.int32) for r in admitted])
+        self.stats.prefill_steps += 1
+        self.stats.prefill_tokens += int(ext.sum())
+        return batch
+
+    def _schedule_decode(self) -> Batch | None:
+        reqs = [r for r in self.running if r.wants_decode]
+        if not reqs:
+            return None
+        rows = np.array([r.table_idx for r in reqs], np.int32)
+        starts = np.array([r.cached_len for r in reqs], np.int32)
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += len(reqs)
+        return self._batch("decode", reqs, rows, starts, np.ones(len(reqs), np.int32), rows)
+
+    def _batch(
+        self, phase: str, reqs: list[Req], rows: np.ndarray, starts: np.ndarray, ext: np.ndarray,
+        sample_rows: np.ndarray,
+    ) -> Batch:
+        temp, top_k, top_p, seeds, seeded = zip(*(r.sampling_row for r in reqs))
+        return Batch(
+            phase=phase, rows=rows, starts=starts, ext_lens=ext, sample_rows=sample_rows.astype(np.int32),
+            temperature=np.array(temp, np.float32), top_k=np.array(top_k, np.int32),
+            top_p=np.array(top_p, np.float32), seeds=np.array(seeds, np.int64), seeded=np.array(seeded, bool),
+            reqs=reqs,
+        )
+
+    # ---- results ----------------------------------------------------------------------------------------
+    def process(self, batch: Batch, output: Any) -> list[Req]:
+        """Take a finished step's tokens: append them, detect finished requests, free their resources."""
+        if output.copy_done_event is not None:
+            output.copy_done_event.synchronize()
+        tokens = output.next_tokens_cpu.tolist()
+        finished = []
+        for req, token, row in zip(batch.reqs, tokens, batch.sample_rows.tolist()):
+            if row == self.dummy_row or req.finish_reason is not None:
+                continue  # a mid-prompt chunk, or a request that finished while this step was in flight
+            req.output_ids.append(token)
+            reason = self._finish_reason(req, token)
+            if reason is not None:
+                req.finish_reason = reason
+                self._release(req)
+                finished.append(req)
+        return finished
+
+    def _finish_reason(self, req: Req, token: int) -> str | None:
+        params = req.sampling
+        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"
+        if req.detok is not None:
+            new = req.detok.push(token)
+            at = find_stop(req.detok.text, len(new), params.stop) if new else -1
+            if at >= 0:
+                req.text = req.detok.text[:at]
+                return "stop"
+        if len(req.output_ids) >= req.max_new_tokens:
+            return "length"
+        return None
+
+    def _release(self, req: Req) -> None:
+        # Pages and the row go back at once: any step still in flight that reads them runs before
+        # whatever the next admission writes, because all device work is ordered on one stream.
+        self.allocator.free(req.pages)
+        self.free_rows.append(req.table_idx)
+        req.pages = []
+        req.table_idx = -1

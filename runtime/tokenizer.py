@@ -1,0 +1,69 @@
+"""Tokenizer loading, EOS ids and incremental detokenization."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def eos_token_ids(model_dir: Path, tokenizer: Any) -> set[int]:
+    """Every EOS id of the model: generation_config.json's (an int or a list) and the tokenizer's."""
+    ids: set[int] = set()
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        value = json.loads(gen.read_text()).get("eos_token_id")
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+class IncrementalDetokenizer:
+    """Text of a growing token list, emitted only once characters are complete.
+
+    Decoding a short window (from ``prefix`` to the end) rather than everything
+    keeps each step O(window); the window restarts after each emitted piece.
+    Byte-level tokens that split a UTF-8 character decode to U+FFFD and wait.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0
+        self.read = 0
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        new = after[len(before) :]
+        self.prefix, self.read = self.read, len(self.ids)
+        self.text += new
+        return new
+
+
+def find_stop(text: str, new_len: int, stops: list[str]) -> int:
+    """Index in ``text`` where the earliest stop string that the last ``new_len`` characters completed starts, or -1."""
+    best = -1
+    for stop in stops:
+        start = max(0, len(text) - new_len - len(stop) + 1)
+        at = text.find(stop, start)
+        if at != -1 and (best == -1 or at < best):
+            best = at
+    return best
