@@ -18,6 +18,8 @@ class ForwardContext:
 
     @contextmanager
     def forward_batch(self, batch: Batch) -> Iterator[None]:
+        global _ctx
+        _ctx = self  # several engines may live in one process (tests, comparisons)
         self.batch = batch
         try:
             yield

@@ -1,0 +1,67 @@
+"""Test helpers: drive the engine directly for teacher-forced logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from models.config import ModelConfig
+from runtime.batch import Batch
+from runtime.config import load_config
+from runtime.engine import Engine
+from runtime.kv_cache import PageAllocator
+
+
+def make_engine(model_dir: Path, *overrides: str) -> Engine:
+    cfg = load_config(overrides=["engine.device=cpu", "model.dtype=float32", "scheduler.max_running_requests=8",
+                                 "model.max_seq_len=1024", *overrides])
+    return Engine(cfg, model_dir, ModelConfig.from_dir(model_dir))
+
+
+def prefill_logits(engine: Engine, prompts: list[list[int]], chunk: int | None = None) -> list[torch.Tensor]:
+    """Logits at every position of each prompt, computed through the paged cache.
+
+    With ``chunk``, each prompt is fed ``chunk`` tokens per step, so later chunks
+    attend to KV written by earlier steps.
+    """
+    allocator = PageAllocator(engine.num_pages)
+    page = engine.page_size
+    rows = np.arange(len(prompts), dtype=np.int32)
+    pages = [allocator.alloc(-(-len(p) // page)) for p in prompts]
+    lens = np.array([len(p) for p in prompts], np.int32)
+    step = chunk or int(lens.max())
+    out: list[list[torch.Tensor]] = [[] for _ in prompts]
+    start = np.zeros(len(prompts), np.int32)
+    first = True
+    while (start < lens).any():
+        live = np.flatnonzero(start < lens)
+        ext = np.minimum(lens[live] - start[live], step).astype(np.int32)
+        n = len(live)
+        batch = Batch(
+            phase="prefill", rows=rows[live], starts=start[live].copy(), ext_lens=ext,
+            sample_rows=np.full(n, engine.dummy_row, np.int32), temperature=np.zeros(n, np.float32),
+            top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32), seeds=np.zeros(n, np.int64),
+            seeded=np.zeros(n, bool),
+        )
+        if first:
+            batch.admit_rows = rows
+            batch.admit_token_lens = lens
+            batch.admit_tokens = np.concatenate([np.asarray(p, np.int32) for p in prompts])
+            batch.admit_page_lens = np.array([len(p) for p in pages], np.int32)
+            batch.admit_pages = np.concatenate([np.asarray(p, np.int32) for p in pages])
+            first = False
+        engine._prepare_inputs(batch)
+        batch.logits_indices = None  # every position, not only the last
+        engine.attn_backend.prepare(batch)
+        with torch.no_grad(), engine.ctx.forward_batch(batch):
+            logits = engine.model.forward()
+        for i, part in zip(live, logits.split(ext.tolist())):
+            out[i].append(part)
+        start[live] += ext
+    return [torch.cat(parts) for parts in out]
+
+
+def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours.double() - ref.double()).abs().max() / ref.double().abs().max())

@@ -1,0 +1,162 @@
+"""End-to-end generation with the default model against HF `generate`, and per-request errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+MAX_NEW = 24
+STORY = (
+    "In a small village by the sea there lived an old fisherman who mended his nets every morning. "
+    "The children of the village would gather around him to hear stories about storms and whales. "
+)
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three colors.",
+    "Summarize this story in one sentence: " + STORY * 8,  # over 300 tokens
+    "Write a short poem about autumn.",
+    "Translate 'good morning' into Spanish.",
+    "What does this text describe? " + STORY * 10,  # over 300 tokens
+    "Give me a one-line definition of gravity.",
+    "Count from one to five.",
+]
+
+
+def chat(prompt: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": prompt}]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(default_model_dir):
+    """Greedy HF `generate` for each prompt on its own (no padding), with the model's EOS ids."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    refs = []
+    for prompt in PROMPTS:
+        text = tok.apply_chat_template(chat(prompt), add_generation_prompt=True, tokenize=False)
+        ids = tok.encode(text, add_special_tokens=False, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=MAX_NEW, do_sample=False)
+        refs.append((ids.shape[1], out[0, ids.shape[1]:].tolist()))
+    assert max(n for n, _ in refs) > 300 and sum(n > 300 for n, _ in refs) >= 2
+    return refs
+
+
+def _check_against_hf(llm: LLM, hf_reference) -> None:
+    outs = llm.generate([chat(p) for p in PROMPTS], SamplingParams(temperature=0, max_new_tokens=MAX_NEW))
+    for out, (prompt_len, ref_tokens) in zip(outs, hf_reference):
+        assert out.error is None
+        assert out.prompt_tokens == prompt_len
+        assert out.token_ids == ref_tokens
+        assert out.finish_reason == ("stop" if len(ref_tokens) < MAX_NEW else "length")
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_greedy_matches_hf_generate(default_model_dir, hf_reference, page_size):
+    llm = LLM(str(default_model_dir), overrides=[f"cache.page_size={page_size}", "engine.device=cpu"])
+    _check_against_hf(llm, hf_reference)
+
+
+def test_greedy_matches_hf_when_requests_wait_for_pages(default_model_dir, hf_reference):
+    # 60 pages of 16 tokens: the long prompts need ~24 each, so requests must queue for pages.
+    llm = LLM(str(default_model_dir), overrides=["cache.num_pages=60", "engine.device=cpu"])
+    _check_against_hf(llm, hf_reference)
+    assert llm.scheduler.stats.page_waits > 0
+    assert llm.scheduler.allocator.num_free == 59  # every page came back
+
+
+def test_chunked_prefill_equals_unchunked(default_model_dir):
+    prompt = chat("Summarize: " + STORY * 9)
+    params = SamplingParams(temperature=0, max_new_tokens=16)
+    whole = LLM(str(default_model_dir), overrides=["engine.device=cpu"])
+    chunked = LLM(str(default_model_dir), overrides=["engine.device=cpu", "scheduler.max_prefill_tokens=64"])
+    a = whole.generate([prompt], params)[0]
+    b = chunked.generate([prompt], params)[0]
+    assert a.prompt_tokens > 64 * 4
+    assert chunked.scheduler.stats.prefill_steps >= a.prompt_tokens // 64
+    assert whole.scheduler.stats.prefill_steps == 1
+    assert a.token_ids == b.token_ids
+
+
+def test_overlap_off_gives_same_tokens(default_model_dir, hf_reference):
+    llm = LLM(str(default_model_dir), overrides=["engine.device=cpu", "scheduler.overlap=false", "cache.num_pages=60"])
+    _check_against_hf(llm, hf_reference)
+
+
+def test_bad_requests_fail_alone(default_model_dir):
+    llm = LLM(str(default_model_dir), overrides=["engine.device=cpu", "model.max_seq_len=512"])
+    prompts = ["", chat("hello " * 600), chat("What is the capital of France?"), [10**9], chat("Name three colors.")]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12))
+    assert "empty" in outs[0].error
+    assert "maximum sequence length" in outs[1].error and "512" in outs[1].error
+    assert "vocabulary" in outs[3].error
+    for ok in (outs[2], outs[4]):
+        assert ok.error is None and ok.completion_tokens > 0
+    assert "Paris" in outs[2].text
+    # the engine is still healthy for the next call
+    again = llm.generate([chat("What is the capital of France?")], SamplingParams(temperature=0, max_new_tokens=12))
+    assert again[0].token_ids == outs[2].token_ids
+
+
+def test_stop_strings_and_stop_tokens(default_model_dir):
+    llm = LLM(str(default_model_dir), overrides=["engine.device=cpu"])
+    free = llm.generate([chat("What is the capital of France?")], SamplingParams(temperature=0, max_new_tokens=20))[0]
+    assert "France" in free.text
+    stopped = llm.generate(
+        [chat("What is the capital of France?")], SamplingParams(temperature=0, max_new_tokens=20, stop=["France"])
+    )[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free.text[: free.text.index("France")]
+    first = free.token_ids[2]
+    by_id = llm.generate(
+        [chat("What is the capital of France?")],
+        SamplingParams(temperature=0, max_new_tokens=20, stop_token_ids=[first]),
+    )[0]
+    assert by_id.token_ids == free.token_ids[:3] and by_id.finish_reason == "stop"
+    ignored = llm.generate(
+        [chat("What is the capital of France?")], SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
+    )[0]
+    assert ignored.completion_tokens == 20 and ignored.finish_reason == "length"
+
+
+def test_missing_model_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        LLM("meta-llama/Not-Here", overrides=["engine.device=cpu"])
+
+
+def test_launch_job_mode_writes_one_row_per_input(default_model_dir, tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        "\n".join([
+            json.dumps({"id": "a", "prompt": "What is the capital of France?"}),
+            "{not json",
+            json.dumps({"id": "b", "messages": chat("Name three colors."), "sampling": {"max_new_tokens": 8}}),
+            json.dumps({"id": "c", "prompt": "hi", "sampling": {"temperature": -1}}),
+        ]) + "\n"
+    )
+    out = tmp_path / "out.jsonl"
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "launch.py", f"model.path={default_model_dir}", "engine.device=cpu",
+         f"job.input={rows}", f"job.output={out}"],
+        cwd=repo, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    by_id = {r["id"]: r for r in results if r["id"] is not None}
+    assert len(results) == 4
+    assert "Paris" in by_id["a"]["text"] and by_id["a"]["finish_reason"] == "stop"
+    assert by_id["b"]["completion_tokens"] <= 8
+    assert "temperature" in by_id["c"]["error"]
+    assert any(r["id"] is None and "not valid JSON" in r["error"] for r in results)
