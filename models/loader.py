@@ -39,11 +39,19 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def load_model(path: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int) -> LlamaForCausalLM:
+def load_model(
+    path: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int,
+    random_seed: int | None = None,
+) -> LlamaForCausalLM:
+    """The model with weights from ``path``'s safetensors, or random ones when ``random_seed`` is given."""
     path = Path(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     materialize(model, device, dtype)
+    if random_seed is not None:
+        randomize(model, random_seed)
+        model.init_rope(max_positions, device)
+        return model
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     with torch.no_grad():
@@ -76,3 +84,39 @@ def _target_param(ckpt_name: str, model: LlamaForCausalLM) -> tuple[str, object]
         if f".{ckpt_part}." in ckpt_name:
             return ckpt_name.replace(ckpt_part, fused), shard_id
     return ckpt_name, None
+
+
+def randomize(model: nn.Module, seed: int) -> None:
+    """Benchmark weights drawn on the device: N(0, 0.02) matrices, unit norms (this rank's shard)."""
+    from parallel import get_tp
+
+    gen = torch.Generator(device=next(model.parameters()).device)
+    with torch.no_grad():
+        for index, (name, param) in enumerate(model.named_parameters()):
+            gen.manual_seed(seed * 1_000_003 + index * 101 + get_tp().rank)
+            if "norm" in name:
+                param.fill_(1.0)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+
+
+def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """HF-named views of a TP=1 model's weights (fused projections split back), sharing memory."""
+    cfg = model.config
+    d = cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    out: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        if ".qkv_proj." in name:
+            for part, piece in zip(("q_proj", "k_proj", "v_proj"), param.data.split([q, kv, kv])):
+                out[name.replace("qkv_proj", part)] = piece
+        elif ".gate_up_proj." in name:
+            for part, piece in zip(("gate_proj", "up_proj"), param.data.chunk(2)):
+                out[name.replace("gate_up_proj", part)] = piece
+        else:
+            out[name] = param.data
+    if cfg.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out

@@ -39,7 +39,8 @@ class Req:
         p = self.sampling
         seed = p.seed if p.seed is not None else (self.run_seed << 32) + self.uid
         temperature = 0.0 if p.is_greedy else p.temperature
-        self.sampling_row = (temperature, p.top_k, p.top_p, seed, p.seed is not None)
+        top_k = p.top_k if 0 < p.top_k < 2**31 else -1  # beyond int32 it cannot restrict any vocabulary
+        self.sampling_row = (temperature, top_k, p.top_p, seed, p.seed is not None)
 
     @property
     def prompt_len(self) -> int:

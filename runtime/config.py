@@ -28,6 +28,7 @@ class ModelSection:
     path: str = "default"  # "default" = the embedded SmolLM2-135M-Instruct, or a local HF-format directory
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on GPU, float32 on CPU)
     max_seq_len: int = 4096  # capped at the model's max_position_embeddings
+    random_weights: bool = False  # draw weights on the device (benchmarks); path then needs only config.json
 
 
 @dataclass
@@ -81,6 +82,22 @@ class ParallelSection:
 
 
 @dataclass
+class BenchSection:
+    """The offline benchmark's workload (scripts/bench_offline.py)."""
+
+    num_requests: int = 256
+    input_len: list[int] = field(default_factory=lambda: [100, 1024])  # uniform, inclusive
+    output_len: list[int] = field(default_factory=lambda: [100, 1024])  # uniform, inclusive
+    fixed_output_len: int = 512  # the fixed-length variant (HF static batching needs one length)
+    token_id_limit: int = 10000  # prompts are random ids below this
+    temperature: float = 0.6
+    seed: int = 0
+    peers: list[str] = field(default_factory=lambda: ["hf_continuous", "hf_static"])  # run on the fixed variant
+    peer_requests: int = 256  # requests given to the (slow) HF peers
+    ablations: list[str] = field(default_factory=lambda: ["no_graphs", "no_overlap"])
+
+
+@dataclass
 class LoggingSection:
     level: str = "INFO"
 
@@ -94,6 +111,7 @@ class RuntimeConfig:
     sampling: SamplingSection = field(default_factory=SamplingSection)
     job: JobSection = field(default_factory=JobSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    bench: BenchSection = field(default_factory=BenchSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
 
 
@@ -142,6 +160,8 @@ def _validate(cfg: RuntimeConfig) -> None:
             raise ConfigError(f"config key '{key}'={value} must be > 0")
     if not 0.0 < cfg.cache.memory_ratio <= 1.0:
         raise ConfigError(f"config key 'cache.memory_ratio'={cfg.cache.memory_ratio} must be in (0, 1]")
+    if not 0 <= cfg.engine.seed < 2**31:
+        raise ConfigError(f"config key 'engine.seed'={cfg.engine.seed} must be in [0, 2**31)")
     if cfg.engine.cuda_graph_max_bs < 0:
         raise ConfigError("config key 'engine.cuda_graph_max_bs' must be >= 0 (0 disables CUDA graphs)")
     from runtime.sampling_params import SamplingParams

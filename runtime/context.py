@@ -7,6 +7,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from models import ops
+
 if TYPE_CHECKING:
     from runtime.batch import Batch
 
@@ -14,12 +16,13 @@ if TYPE_CHECKING:
 @dataclass
 class ForwardContext:
     attn_backend: Any
+    use_flashinfer_kernels: bool = False
     batch: Batch | None = None
 
     @contextmanager
     def forward_batch(self, batch: Batch) -> Iterator[None]:
-        global _ctx
-        _ctx = self  # several engines may live in one process (tests, comparisons)
+        if _ctx is not self:  # several engines may live in one process (tests, comparisons)
+            set_ctx(self)
         self.batch = batch
         try:
             yield
@@ -31,8 +34,10 @@ _ctx: ForwardContext | None = None
 
 
 def set_ctx(ctx: ForwardContext) -> None:
+    """Make ``ctx`` current, with the kernel set its engine chose."""
     global _ctx
     _ctx = ctx
+    ops.use_flashinfer(ctx.use_flashinfer_kernels)
 
 
 def get_ctx() -> ForwardContext:

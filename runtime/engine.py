@@ -85,7 +85,10 @@ class Engine:
         ops.use_flashinfer(use_fi)
 
         free_before = self._free_memory()
-        self.model = load_model(model_dir, model_config, self.device, self.dtype, self.max_seq_len + 1)
+        self.model = load_model(
+            model_dir, model_config, self.device, self.dtype, self.max_seq_len + 1,
+            random_seed=cfg.engine.seed if cfg.model.random_weights else None,
+        )
         self.num_pages = self._determine_num_pages(free_before)
         heads = self.model.model.layers[0].self_attn
         self.kv_cache = KVCache(
@@ -112,7 +115,7 @@ class Engine:
             from runtime.attention.torch_backend import TorchAttentionBackend
 
             self.attn_backend = TorchAttentionBackend(self.kv_cache, self.page_table, model_config.head_dim)
-        self.ctx = ForwardContext(self.attn_backend)
+        self.ctx = ForwardContext(self.attn_backend, use_fi)
         set_ctx(self.ctx)
         self.sampler = Sampler(model_config.vocab_size, self.device, use_fi, cfg.engine.seed)
         self.graph_runner = None

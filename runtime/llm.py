@@ -52,6 +52,8 @@ class LLM:
     # ---- prompts ----------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: text, token ids, or chat messages (chat template applied)."""
+        if self.tokenizer is None and not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+            raise ValueError(f"model directory {self.model_dir} has no tokenizer: prompts must be token-id lists")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -83,7 +85,7 @@ class LLM:
         uid = self._next_uid
         self._next_uid += 1
         req = Req(uid, ids, params, min(params.max_new_tokens, limit - len(ids)), run_seed=self.cfg.engine.seed)
-        if params.stop:
+        if params.stop and self.tokenizer is not None:
             req.detok = IncrementalDetokenizer(self.tokenizer)
         return req
 
@@ -105,7 +107,9 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")
         return self.run([(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))])
 
-    def run(self, items: Sequence[tuple[Any, Prompt, SamplingParams]], on_result=None) -> list[RequestOutput]:  # noqa: ANN001
+    def run(
+        self, items: Sequence[tuple[Any, Prompt, SamplingParams]], on_result=None, on_batch=None  # noqa: ANN001
+    ) -> list[RequestOutput]:
         """Serve (key, prompt, params) items; ``on_result(key, output)`` fires as each one completes."""
         outputs: dict[int, RequestOutput] = {}
         keys: dict[int, Any] = {}
@@ -126,7 +130,7 @@ class LLM:
         def finish(req: Req) -> None:
             text = req.text if req.detok is not None and req.finish_reason == "stop" and req.text else None
             if text is None:
-                text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+                text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True) if self.tokenizer else ""
             out = RequestOutput(
                 index=req.index, text=text, token_ids=list(req.output_ids), finish_reason=req.finish_reason,  # type: ignore[attr-defined]
                 prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids),
@@ -136,7 +140,7 @@ class LLM:
                 on_result(keys[out.index], out)
 
         start = time.perf_counter()
-        run_until_idle(self.scheduler, self.engine, self.cfg.scheduler.overlap, finish)
+        run_until_idle(self.scheduler, self.engine, self.cfg.scheduler.overlap, finish, on_batch)
         elapsed = time.perf_counter() - start
         done = [outputs[i] for i in order]
         generated = sum(o.completion_tokens for o in done)

@@ -53,7 +53,8 @@ def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) ->
     """Uniform(0, 1) noise ``[rows, vocab]`` that is a pure function of (seed, position, token)."""
     key = _mix(seeds * _GOLDEN + positions)
     x = _mix(key[:, None] + torch.arange(vocab, device=seeds.device, dtype=torch.int64)[None, :] * _GOLDEN)
-    return (_shift_right(x, 40).float() + 0.5) * (1.0 / (1 << 24))
+    # 23 bits: (2**23 - 0.5) is exact in float32, so the value stays strictly below 1 (24 bits would round to 1).
+    return (_shift_right(x, 41).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def filter_top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:

@@ -43,8 +43,10 @@ class SamplingParams:
             raise bad("stop", "must be a list of non-empty strings")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of token ids >= 0")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
-            raise bad("seed", "must be an integer >= 0")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63
+        ):
+            raise bad("seed", "must be an integer in [0, 2**63)")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], base: SamplingParams | None = None) -> SamplingParams:

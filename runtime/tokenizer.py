@@ -6,8 +6,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
-def load_tokenizer(model_dir: Path) -> Any:
+
+def load_tokenizer(model_dir: Path) -> Any | None:
+    """The model's tokenizer, or None for a directory without one (token-id prompts only)."""
+    if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        return None
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
@@ -23,7 +28,7 @@ def eos_token_ids(model_dir: Path, tokenizer: Any) -> set[int]:
             ids.add(value)
         elif isinstance(value, list):
             ids.update(int(v) for v in value)
-    if tokenizer.eos_token_id is not None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return ids
 

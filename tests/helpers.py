@@ -20,12 +20,25 @@ def make_engine(model_dir: Path, *overrides: str) -> Engine:
     return Engine(cfg, model_dir, ModelConfig.from_dir(model_dir))
 
 
-def prefill_logits(engine: Engine, prompts: list[list[int]], chunk: int | None = None) -> list[torch.Tensor]:
+def prefill_logits(
+    engine: Engine, prompts: list[list[int]], chunk: int | None = None, decode_tail: int = 0, use_graph: bool = False
+) -> list[torch.Tensor]:
     """Logits at every position of each prompt, computed through the paged cache.
 
     With ``chunk``, each prompt is fed ``chunk`` tokens per step, so later chunks
-    attend to KV written by earlier steps.
+    attend to KV written by earlier steps; the last ``decode_tail`` tokens of
+    every prompt go through decode steps (one token per request per step).
     """
+    with engine._stream(), torch.no_grad():
+        out = _teacher_forced(engine, prompts, chunk, decode_tail, use_graph)
+    if engine.stream is not None:
+        torch.cuda.synchronize()
+    return out
+
+
+def _teacher_forced(
+    engine: Engine, prompts: list[list[int]], chunk: int | None, decode_tail: int, use_graph: bool
+) -> list[torch.Tensor]:
     allocator = PageAllocator(engine.num_pages)
     page = engine.page_size
     rows = np.arange(len(prompts), dtype=np.int32)
@@ -37,10 +50,13 @@ def prefill_logits(engine: Engine, prompts: list[list[int]], chunk: int | None =
     first = True
     while (start < lens).any():
         live = np.flatnonzero(start < lens)
-        ext = np.minimum(lens[live] - start[live], step).astype(np.int32)
+        decoding = bool((start[live] >= lens[live] - decode_tail).all()) and not first
+        ext = np.minimum(lens[live] - start[live], 1 if decoding else step).astype(np.int32)
+        if not decoding and decode_tail:
+            ext = np.minimum(ext, np.maximum(lens[live] - decode_tail - start[live], 1)).astype(np.int32)
         n = len(live)
         batch = Batch(
-            phase="prefill", rows=rows[live], starts=start[live].copy(), ext_lens=ext,
+            phase="decode" if decoding else "prefill", rows=rows[live], starts=start[live].copy(), ext_lens=ext,
             sample_rows=np.full(n, engine.dummy_row, np.int32), temperature=np.zeros(n, np.float32),
             top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32), seeds=np.zeros(n, np.int64),
             seeded=np.zeros(n, bool),
@@ -52,11 +68,17 @@ def prefill_logits(engine: Engine, prompts: list[list[int]], chunk: int | None =
             batch.admit_page_lens = np.array([len(p) for p in pages], np.int32)
             batch.admit_pages = np.concatenate([np.asarray(p, np.int32) for p in pages])
             first = False
-        engine._prepare_inputs(batch)
-        batch.logits_indices = None  # every position, not only the last
-        engine.attn_backend.prepare(batch)
-        with torch.no_grad(), engine.ctx.forward_batch(batch):
-            logits = engine.model.forward()
+        if decoding and use_graph:
+            run = engine.graph_runner.pad(batch)
+            engine._prepare_inputs(run)
+            with engine.ctx.forward_batch(run):
+                logits = engine.graph_runner.replay(run)[:n].clone()
+        else:
+            engine._prepare_inputs(batch)
+            batch.logits_indices = None  # every position, not only the last
+            engine.attn_backend.prepare(batch)
+            with engine.ctx.forward_batch(batch):
+                logits = engine.model.forward()
         for i, part in zip(live, logits.split(ext.tolist())):
             out[i].append(part)
         start[live] += ext

@@ -53,3 +53,12 @@ def test_default_model_matches_hf(default_model_dir):
     ours = prefill_logits(make_engine(default_model_dir), prompts)
     for o, r in zip(ours, ref):
         assert relative_error(o, r) <= TOL
+
+
+def test_decode_steps_match_hf(tiny_llama_dir):
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (9, 20, 33)]
+    ref = hf_logits(tiny_llama_dir, prompts)
+    ours = prefill_logits(make_engine(tiny_llama_dir), prompts, chunk=5, decode_tail=6)
+    for o, r in zip(ours, ref):
+        assert relative_error(o, r) <= TOL

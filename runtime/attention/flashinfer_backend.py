@@ -88,7 +88,7 @@ class FlashInferBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         self.kv_cache.store(layer_id, get_ctx().batch.out_loc, k, v)
-        return self.active.run(q, (self.kv_cache.k(layer_id), self.kv_cache.v(layer_id)))
+        return self.active.run(q.contiguous(), (self.kv_cache.k(layer_id), self.kv_cache.v(layer_id)))
 
     # CUDA graphs: one decode wrapper per captured batch size, over static index buffers.
     def init_graph_wrapper(self, bs: int, max_pages_per_req: int) -> None:

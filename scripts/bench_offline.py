@@ -1,0 +1,315 @@
+"""Offline throughput benchmark: tpinfer against HF transformers and the roofline, in one run.
+
+    python scripts/bench_offline.py --config configs/bench/llama-3.2-1b.yaml [key=value ...] [--out DIR]
+
+Workload (config section `bench`): N requests of random token ids, uniform input
+and output lengths, sampling at the configured temperature, ignore_eos. Runs:
+tpinfer on the variable workload (+ ablations), tpinfer and the HF peers on the
+fixed-output variant. The roofline is measured in the same run: HBM bandwidth
+from a large device copy, bf16 matmul peak from a large GEMM; for the steps the
+engine actually executed, roofline time = sum over steps of
+max(bytes / bandwidth, flops / peak), bytes = weights + KV read + KV written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runtime.config import RuntimeConfig, load_config, to_yaml  # noqa: E402
+
+
+@dataclass
+class StepLog:
+    """What each executed step moved and computed, for the roofline."""
+
+    tokens: list[int] = field(default_factory=list)
+    kv_read: list[int] = field(default_factory=list)  # sum of kv lengths (tokens) attended
+    attn_pairs: list[int] = field(default_factory=list)  # sum of q_len * kv_len
+    decode: list[bool] = field(default_factory=list)
+
+    def __call__(self, batch) -> None:  # noqa: ANN001
+        if batch is None:
+            return
+        ext, kv = batch.ext_lens.astype(np.int64), batch.kv_lens.astype(np.int64)
+        self.tokens.append(int(ext.sum()))
+        self.kv_read.append(int(kv.sum()))
+        self.attn_pairs.append(int((ext * (kv - (ext - 1) / 2)).sum()))
+        self.decode.append(batch.is_decode)
+
+
+def workload(cfg: RuntimeConfig, fixed: bool, n: int | None = None) -> tuple[list[list[int]], list[int]]:
+    b = cfg.bench
+    rng = np.random.default_rng(b.seed)
+    count = b.num_requests
+    in_lens = rng.integers(b.input_len[0], b.input_len[1] + 1, count)
+    out_lens = rng.integers(b.output_len[0], b.output_len[1] + 1, count)
+    prompts = [rng.integers(0, b.token_id_limit, int(k)).tolist() for k in in_lens]
+    outs = [b.fixed_output_len] * count if fixed else out_lens.tolist()
+    n = n or count
+    return prompts[:n], outs[:n]
+
+
+def measure_limits(device: torch.device) -> dict[str, float]:
+    """HBM bandwidth (GB/s, read+write of a 4 GiB copy) and bf16 matmul peak (TFLOP/s)."""
+    src = torch.empty(1 << 31, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, reps = time.perf_counter(), 20
+    for _ in range(reps):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    bandwidth = 2 * src.numel() * 2 * reps / (time.perf_counter() - start)
+    del src, dst
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    bm = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        a @ bm
+    torch.cuda.synchronize()
+    start, reps = time.perf_counter(), 50
+    for _ in range(reps):
+        a @ bm
+    torch.cuda.synchronize()
+    peak = 2 * 8192**3 * reps / (time.perf_counter() - start)
+    return {"hbm_gbps": bandwidth / 1e9, "bf16_tflops": peak / 1e12}
+
+
+def roofline_seconds(llm, log: StepLog, limits: dict[str, float]) -> float:  # noqa: ANN001
+    mc = llm.model_config
+    model = llm.engine.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    matmul_params = sum(p.numel() for n, p in model.named_parameters() if "norm" not in n and "embed" not in n)
+    if mc.tie_word_embeddings:
+        matmul_params += model.lm_head.weight.numel()
+    kv_token_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * llm.engine.dtype.itemsize
+    bw, peak = limits["hbm_gbps"] * 1e9, limits["bf16_tflops"] * 1e12
+    total = 0.0
+    for tokens, kv_read, pairs in zip(log.tokens, log.kv_read, log.attn_pairs):
+        bytes_moved = weight_bytes + kv_read * kv_token_bytes + tokens * kv_token_bytes
+        flops = 2 * matmul_params * tokens + 4 * mc.num_layers * mc.num_heads * mc.head_dim * pairs
+        total += max(bytes_moved / bw, flops / peak)
+    return total
+
+
+class StepTimer:
+    """CUDA events around each forward on the engine stream: GPU busy time and idle gaps between decode steps."""
+
+    def __init__(self, engine) -> None:  # noqa: ANN001
+        self.engine = engine
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event, bool]] = []
+        self._inner = engine.forward_batch
+        engine.forward_batch = self._timed
+
+    def _timed(self, batch):  # noqa: ANN001, ANN202
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(self.engine.stream)
+        out = self._inner(batch)
+        end.record(self.engine.stream)
+        self.events.append((start, end, batch.is_decode))
+        return out
+
+    def summary(self) -> dict[str, float]:
+        torch.cuda.synchronize()
+        busy = idle = 0.0
+        for (s0, e0, d0), (s1, _, d1) in zip(self.events, self.events[1:]):
+            if d0 and d1:
+                busy += s0.elapsed_time(e0)
+                idle += max(e0.elapsed_time(s1), 0.0)
+        return {"decode_idle_share": idle / max(busy + idle, 1e-9), "decode_busy_ms": busy, "decode_idle_ms": idle}
+
+
+def run_tpinfer(cfg: RuntimeConfig, fixed: bool, limits: dict[str, float] | None) -> dict:
+    from runtime import LLM, SamplingParams
+
+    llm = LLM(config=cfg)
+    prompts, outs = workload(cfg, fixed)
+    params = [SamplingParams(temperature=cfg.bench.temperature, max_new_tokens=n, ignore_eos=True) for n in outs]
+    # Warm-up on a few requests: kernel loads and allocator growth are not part of the measurement.
+    llm.generate(prompts[:8], [SamplingParams(temperature=cfg.bench.temperature, max_new_tokens=16, ignore_eos=True)] * 8)
+    log = StepLog()
+    timer = StepTimer(llm.engine) if llm.engine.stream is not None else None
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    results = llm.run([(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))], on_batch=log)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    assert all(r.error is None and r.completion_tokens == n for r, n in zip(results, outs)), "benchmark requests failed"
+    generated = sum(outs)
+    row = {
+        "seconds": seconds, "output_tokens": generated, "output_tok_s": generated / seconds,
+        "total_tok_s": (generated + sum(map(len, prompts))) / seconds,
+        "steps": len(log.tokens), "decode_steps": int(sum(log.decode)), "kv_pages": llm.engine.num_pages,
+        "graphs": llm.engine.graph_runner is not None, "overlap": cfg.scheduler.overlap,
+    }
+    if limits:
+        roof = roofline_seconds(llm, log, limits)
+        row.update(roofline_s=roof, roofline_share=roof / seconds)
+    if timer:
+        row.update(timer.summary())
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def batch1_step_time(cfg: RuntimeConfig, graphs: bool) -> float:
+    """Seconds per decode step of a single request (graph replay versus eager)."""
+    from runtime import LLM, SamplingParams
+
+    cfg.engine.cuda_graph_max_bs = 8 if graphs else 0
+    llm = LLM(config=cfg)
+    params = SamplingParams(temperature=0, max_new_tokens=256, ignore_eos=True)
+    llm.generate([[1, 2, 3, 4]], params)
+    log = StepLog()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    llm.run([(0, [5, 6, 7, 8], params)], on_batch=log)
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / max(sum(log.decode), 1)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return seconds
+
+
+def run_hf(cfg: RuntimeConfig, mode: str) -> dict:
+    """HF transformers on the same random weights (built by our loader, shared by reference)."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from models.default_model import resolve_model_path
+    from models.loader import to_hf_state_dict
+    from runtime import LLM
+
+    owner = LLM(config=cfg)  # creates the weights exactly as the tpinfer runs do
+    model_dir = resolve_model_path(cfg.model.path)
+    hf_cfg = LlamaConfig.from_pretrained(str(model_dir))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hf_cfg)
+    model.load_state_dict(to_hf_state_dict(owner.engine.model), strict=False, assign=True)
+    if hf_cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary_emb = type(model.model.rotary_emb)(hf_cfg, device="cuda")
+    del owner.engine.kv_cache, owner.engine.graph_runner
+    torch.cuda.empty_cache()
+    model.eval()
+    prompts, outs = workload(cfg, fixed=True, n=cfg.bench.peer_requests)
+    new = cfg.bench.fixed_output_len
+    gen_cfg = GenerationConfig(
+        max_new_tokens=new, min_new_tokens=new, do_sample=True, temperature=cfg.bench.temperature, top_k=0, top_p=1.0,
+        eos_token_id=None, pad_token_id=0,
+    )
+    with torch.no_grad():
+        if mode == "hf_continuous":
+            model.set_attn_implementation("paged|sdpa")
+            model.generate_batch(inputs=prompts[:4], generation_config=gen_cfg, progress_bar=False)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            results = model.generate_batch(inputs=prompts, generation_config=gen_cfg, progress_bar=False)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            generated = sum(len(r.generated_tokens) for r in results.values())
+        else:
+            model.set_attn_implementation("sdpa")
+            width = max(map(len, prompts))
+            ids = torch.zeros(len(prompts), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, p in enumerate(prompts):  # left padding
+                ids[i, width - len(p) :] = torch.tensor(p)
+                mask[i, width - len(p) :] = 1
+            ids, mask = ids.cuda(), mask.cuda()
+            model.generate(ids[:2], attention_mask=mask[:2], generation_config=gen_cfg)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = model.generate(ids, attention_mask=mask, generation_config=gen_cfg)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            generated = (out.shape[1] - width) * len(prompts)
+    del model, owner
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"seconds": seconds, "output_tokens": generated, "output_tok_s": generated / seconds,
+            "requests": len(prompts)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", action="append", required=True)
+    parser.add_argument("--out", default="benchmarks")
+    parser.add_argument("--name", default=None, help="results file stem (default: the config's stem)")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    base = load_config(args.config, args.overrides)
+    name = args.name or Path(args.config[-1]).stem
+    device = torch.device("cuda")
+    limits = measure_limits(device)
+    print(f"limits: {limits['hbm_gbps']:.0f} GB/s HBM, {limits['bf16_tflops']:.0f} TFLOP/s bf16", flush=True)
+    results: dict = {"name": name, "command": " ".join(sys.argv), "limits": limits, "config": to_yaml(base), "runs": {}}
+
+    def variant(**changes: object) -> RuntimeConfig:
+        cfg = load_config(args.config, args.overrides)
+        for key, value in changes.items():
+            section, attr = key.split("__")
+            setattr(getattr(cfg, section), attr, value)
+        return cfg
+
+    runs = results["runs"]
+    runs["tpinfer"] = run_tpinfer(variant(), False, limits)
+    print("tpinfer", json.dumps(runs["tpinfer"]), flush=True)
+    if "no_graphs" in base.bench.ablations:
+        runs["tpinfer_no_graphs"] = run_tpinfer(variant(engine__cuda_graph_max_bs=0), False, limits)
+        print("no graphs", json.dumps(runs["tpinfer_no_graphs"]), flush=True)
+    if "no_overlap" in base.bench.ablations:
+        runs["tpinfer_no_overlap"] = run_tpinfer(variant(scheduler__overlap=False), False, limits)
+        print("no overlap", json.dumps(runs["tpinfer_no_overlap"]), flush=True)
+    if "batch1" in base.bench.ablations:
+        graph_s, eager_s = batch1_step_time(variant(), True), batch1_step_time(variant(), False)
+        runs["batch1_decode"] = {"graph_step_ms": graph_s * 1e3, "eager_step_ms": eager_s * 1e3, "speedup": eager_s / graph_s}
+        print("batch-1", json.dumps(runs["batch1_decode"]), flush=True)
+    if base.bench.peers:
+        runs["tpinfer_fixed"] = run_tpinfer(variant(), True, limits)
+        print("tpinfer fixed", json.dumps(runs["tpinfer_fixed"]), flush=True)
+    for peer in base.bench.peers:
+        try:
+            runs[peer] = run_hf(variant(), peer)
+        except Exception as exc:  # a peer failing must not lose the measurements above
+            runs[peer] = {"error": repr(exc)}
+        print(peer, json.dumps(runs[peer]), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(results, indent=2))
+    print_table(results)
+    return 0
+
+
+def print_table(results: dict) -> None:
+    runs = results["runs"]
+    ref = runs.get("tpinfer", {}).get("output_tok_s")
+    print(f"\n{results['name']}: output tokens/s")
+    print(f"{'run':<22}{'tok/s':>10}{'vs tpinfer':>12}{'roofline':>10}{'idle':>8}")
+    for key, row in runs.items():
+        if "output_tok_s" not in row:
+            continue
+        share = row.get("roofline_share")
+        idle = row.get("decode_idle_share")
+        print(f"{key:<22}{row['output_tok_s']:>10.0f}{row['output_tok_s'] / ref:>12.2f}"
+              f"{'' if share is None else f'{share:.0%}':>10}{'' if idle is None else f'{idle:.1%}':>8}")
+    fixed, static, cb = runs.get("tpinfer_fixed"), runs.get("hf_static"), runs.get("hf_continuous")
+    for peer_name, peer in (("HF static generate", static), ("HF generate_batch", cb)):
+        if fixed and peer and "output_tok_s" in peer:
+            print(f"fixed-512 variant: tpinfer / {peer_name} = {fixed['output_tok_s'] / peer['output_tok_s']:.1f}x")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,327 @@
+"""Config loading, overrides and bad input; SamplingParams validation; launch.py's fast paths."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from runtime.config import ConfigError, RuntimeConfig, load_config, to_yaml
+from runtime.sampling_params import SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# load_config: good input
+# ---------------------------------------------------------------------------------------------------------
+def test_defaults_without_files_or_overrides():
+    cfg = load_config()
+    assert isinstance(cfg, RuntimeConfig)
+    assert cfg.cache.page_size == RuntimeConfig().cache.page_size
+
+
+def test_overrides_take_effect_with_their_types():
+    cfg = load_config([], [
+        "cache.page_size=1", "cache.memory_ratio=0.5", "scheduler.overlap=false", "sampling.temperature=0.7",
+        "sampling.top_k=20", "sampling.seed=123", "model.dtype=float32", "job.input=rows.jsonl",
+    ])
+    assert cfg.cache.page_size == 1 and isinstance(cfg.cache.page_size, int)
+    assert cfg.cache.memory_ratio == 0.5
+    assert cfg.scheduler.overlap is False
+    assert cfg.sampling.temperature == pytest.approx(0.7)
+    assert cfg.sampling.top_k == 20
+    assert cfg.sampling.seed == 123
+    assert cfg.model.dtype == "float32"
+    assert cfg.job.input == "rows.jsonl"
+
+
+def test_later_files_override_earlier_ones_and_overrides_win(tmp_path):
+    a = write(tmp_path, "a.yaml", """
+        cache:
+          page_size: 8
+          memory_ratio: 0.5
+        sampling:
+          temperature: 0.5
+    """)
+    b = write(tmp_path, "b.yaml", """
+        cache:
+          page_size: 32
+    """)
+    cfg = load_config([a, b])
+    assert cfg.cache.page_size == 32  # b wins
+    assert cfg.cache.memory_ratio == 0.5  # untouched by b: a's value survives
+    assert cfg.sampling.temperature == 0.5
+    assert load_config([b, a]).cache.page_size == 8
+    assert load_config([a, b], ["cache.page_size=4"]).cache.page_size == 4
+    # overrides apply in order too
+    assert load_config([a], ["cache.page_size=4", "cache.page_size=64"]).cache.page_size == 64
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").rglob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    load_config([path])
+
+
+def test_to_yaml_round_trips(tmp_path):
+    cfg = load_config([], ["cache.page_size=3", "sampling.top_p=0.5"])
+    again = load_config([write(tmp_path, "dump.yaml", to_yaml(cfg))])
+    assert again == cfg
+
+
+# ---------------------------------------------------------------------------------------------------------
+# load_config: bad input
+# ---------------------------------------------------------------------------------------------------------
+def test_unknown_key_in_yaml_names_it_and_suggests_the_nearest(tmp_path):
+    path = write(tmp_path, "typo.yaml", """
+        cache:
+          page_sise: 1
+    """)
+    with pytest.raises(ConfigError) as err:
+        load_config([path])
+    msg = str(err.value)
+    assert "cache.page_sise" in msg
+    assert "cache.page_size" in msg  # the suggestion
+    assert "typo.yaml" in msg
+
+
+def test_unknown_section_in_yaml(tmp_path):
+    path = write(tmp_path, "sect.yaml", "cahce:\n  page_size: 1\n")
+    with pytest.raises(ConfigError, match="cahce") as err:
+        load_config([path])
+    assert "'cache'" in str(err.value)
+
+
+def test_unknown_key_in_override_names_it_and_suggests():
+    with pytest.raises(ConfigError) as err:
+        load_config([], ["cache.page_sise=1"])
+    msg = str(err.value)
+    assert "cache.page_sise" in msg and "cache.page_size" in msg
+
+
+def test_unknown_key_without_near_match_has_no_bogus_suggestion():
+    with pytest.raises(ConfigError, match="cache.zzzzzzzz") as err:
+        load_config([], ["cache.zzzzzzzz=1"])
+    assert "did you mean" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("cache.page_size=abc", "cache.page_size"),
+        ("cache.page_size=1.5", "cache.page_size"),
+        ("cache.memory_ratio=lots", "cache.memory_ratio"),
+        ("scheduler.overlap=maybe", "scheduler.overlap"),
+        ("sampling.seed=abc", "sampling.seed"),
+    ],
+)
+def test_wrong_type_in_override_names_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config([], [override])
+
+
+def test_wrong_type_in_yaml_names_the_key(tmp_path):
+    path = write(tmp_path, "type.yaml", "cache:\n  page_size: abc\n")
+    with pytest.raises(ConfigError, match=r"cache\.page_size"):
+        load_config([path])
+
+
+@pytest.mark.parametrize("text", ["cache: [page_size: 1\n", "cache:\n  page_size: 1\n bad indent: 2\n", "{{{\n"])
+def test_malformed_yaml(tmp_path, text):
+    path = write(tmp_path, "bad.yaml", text)
+    with pytest.raises(ConfigError, match="bad.yaml"):
+        load_config([path])
+
+
+def test_yaml_that_is_not_a_mapping(tmp_path):
+    path = write(tmp_path, "list.yaml", "- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="list.yaml"):
+        load_config([path])
+
+
+def test_missing_config_file(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match="nope.yaml"):
+        load_config([missing])
+
+
+@pytest.mark.parametrize("override", ["cache.page_size", "=3", "justtext"])
+def test_bad_override_syntax(override):
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config([], [override])
+
+
+@pytest.mark.parametrize(
+    ("override", "name"),
+    [
+        ("sampling.temperature=-0.5", "temperature"),
+        ("sampling.top_p=0", "top_p"),
+        ("sampling.top_p=1.5", "top_p"),
+        ("sampling.top_p=-0.1", "top_p"),
+        ("sampling.max_new_tokens=0", "max_new_tokens"),
+        ("sampling.max_new_tokens=-4", "max_new_tokens"),
+        ("sampling.top_k=-2", "top_k"),
+        ("sampling.seed=-1", "seed"),
+    ],
+)
+def test_bad_sampling_values_in_config(override, name):
+    with pytest.raises(ConfigError) as err:
+        load_config([], [override])
+    msg = str(err.value)
+    assert "sampling" in msg and name in msg
+
+
+def test_bad_sampling_value_in_yaml(tmp_path):
+    path = write(tmp_path, "s.yaml", "sampling:\n  temperature: -1\n")
+    with pytest.raises(ConfigError, match="temperature"):
+        load_config([path])
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("cache.page_size=0", "cache.page_size"),
+        ("cache.memory_ratio=1.5", "cache.memory_ratio"),
+        ("cache.memory_ratio=0", "cache.memory_ratio"),
+        ("model.dtype=fp8", "model.dtype"),
+        ("engine.device=tpu", "engine.device"),
+        ("scheduler.max_running_requests=0", "scheduler.max_running_requests"),
+    ],
+)
+def test_bad_values_elsewhere_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config([], [override])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# SamplingParams
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": "1"}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": -0.2}, "top_p"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"max_new_tokens": 2.5}, "max_new_tokens"),
+        ({"max_new_tokens": True}, "max_new_tokens"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 3.0}, "top_k"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 1.5}, "seed"),
+        ({"seed": "7"}, "seed"),
+        ({"seed": True}, "seed"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ],
+)
+def test_sampling_params_reject_bad_values(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_accept_boundary_values():
+    for kwargs in ({"temperature": 0}, {"top_p": 1.0}, {"top_p": 1e-6}, {"max_new_tokens": 1}, {"top_k": -1},
+                   {"top_k": 0}, {"top_k": 1}, {"seed": 0}, {"stop": "END"}):
+        SamplingParams(**kwargs)
+    assert SamplingParams(stop="END").stop == ["END"]
+    assert SamplingParams(temperature=0).is_greedy and SamplingParams(top_k=1).is_greedy
+    assert not SamplingParams(temperature=0.5, top_k=2).is_greedy
+
+
+def test_sampling_params_from_dict():
+    base = SamplingParams(temperature=0.3, max_new_tokens=9)
+    sp = SamplingParams.from_dict({"top_p": 0.5}, base=base)
+    assert (sp.temperature, sp.top_p, sp.max_new_tokens) == (0.3, 0.5, 9)
+    with pytest.raises(ValueError, match="temprature"):
+        SamplingParams.from_dict({"temprature": 0.5})
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams.from_dict({"top_p": 2}, base=base)
+
+
+def schedule_one(params: SamplingParams, run_seed: int = 0):
+    from runtime.batch import Req
+    from runtime.config import SchedulerSection
+    from runtime.scheduler import Scheduler
+
+    sched = Scheduler(SchedulerSection(), num_pages=16, page_size=16, max_seq_len=128, dummy_row=255, eos_ids={0})
+    sched.add(Req(0, [1, 2, 3], params, 4, run_seed=run_seed))
+    return sched.schedule()
+
+
+@pytest.mark.parametrize("kwargs", [{"seed": 2**63}, {"top_k": 2**31}], ids=["seed-2**63", "top_k-2**31"])
+def test_accepted_sampling_params_can_be_scheduled(kwargs):
+    """Values that pass validation must fit the batch arrays (int64 seeds, int32 top_k); a value that
+    cannot must be rejected up front as a per-request ValueError, not crash the scheduler mid-run."""
+    try:
+        params = SamplingParams(temperature=1.0, **kwargs)
+    except ValueError:
+        return  # rejected at validation: fine
+    batch = schedule_one(params)
+    assert batch is not None and batch.size == 1
+
+
+def test_accepted_engine_seed_can_be_scheduled():
+    """Unseeded requests derive their seed as (engine.seed << 32) + uid: an accepted engine.seed must keep
+    that inside int64 (or be rejected by load_config)."""
+    try:
+        cfg = load_config([], [f"engine.seed={2**31}"])
+    except ConfigError:
+        return
+    batch = schedule_one(SamplingParams(temperature=1.0), run_seed=cfg.engine.seed)
+    assert batch is not None and batch.size == 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# launch.py: --print-config and a typo fail fast, without loading a model
+# ---------------------------------------------------------------------------------------------------------
+def run_launch(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "launch.py", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_launch_print_config():
+    proc = run_launch("--print-config", "cache.page_size=1")
+    assert proc.returncode == 0, proc.stderr
+    assert "page_size: 1\n" in proc.stdout
+    assert "cache:" in proc.stdout and "sampling:" in proc.stdout
+
+
+def test_launch_unknown_key_fails_naming_it():
+    proc = run_launch("cache.page_sise=1")
+    assert proc.returncode != 0
+    assert "cache.page_sise" in proc.stderr
+    assert "cache.page_size" in proc.stderr
+    assert "###" not in proc.stdout and "tokens/s" not in proc.stdout  # nothing was generated
+
+
+def test_launch_fast_paths_import_no_model_code():
+    """Run launch.main in a fresh interpreter and check the model / engine modules were never imported."""
+    code = textwrap.dedent("""
+        import sys
+        import launch
+        rc1 = launch.main(["--print-config", "cache.page_size=1"])
+        rc2 = launch.main(["cache.page_sise=1"])
+        heavy = sorted(m for m in ("runtime.llm", "runtime.engine", "models") if m in sys.modules)
+        print("RESULT", rc1, rc2, heavy)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1]
+    rc1, rc2, heavy = line.split(" ", 3)[1:]
+    assert rc1 == "0" and rc2 != "0"
+    assert heavy == "[]"
