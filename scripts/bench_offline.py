@@ -200,7 +200,7 @@ def run_hf(cfg: RuntimeConfig, mode: str) -> dict:
     model.load_state_dict(to_hf_state_dict(owner.engine.model), strict=False, assign=True)
     if hf_cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary_emb = type(model.model.rotary_emb)(hf_cfg, device="cuda")
+    model.model.rotary_emb = type(model.model.rotary_emb)(hf_cfg).to("cuda")
     del owner.engine.kv_cache, owner.engine.graph_runner
     torch.cuda.empty_cache()
     model.eval()

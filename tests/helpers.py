@@ -29,8 +29,11 @@ def prefill_logits(
     attend to KV written by earlier steps; the last ``decode_tail`` tokens of
     every prompt go through decode steps (one token per request per step).
     """
+    out: list[torch.Tensor] = []
+    group = engine.max_running  # one page-table row per prompt
     with engine._stream(), torch.no_grad():
-        out = _teacher_forced(engine, prompts, chunk, decode_tail, use_graph)
+        for i in range(0, len(prompts), group):
+            out += _teacher_forced(engine, prompts[i : i + group], chunk, decode_tail, use_graph)
     if engine.stream is not None:
         torch.cuda.synchronize()
     return out

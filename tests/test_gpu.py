@@ -47,7 +47,7 @@ def hf_model(eng: Engine, model_dir: Path, dtype: torch.dtype):
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary_emb = type(model.model.rotary_emb)(cfg, device="cuda")
+    model.model.rotary_emb = type(model.model.rotary_emb)(cfg).to("cuda")
     return model.eval()
 
 
