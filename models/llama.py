@@ -117,9 +117,9 @@ class LlamaForCausalLM(nn.Module):
         self.cos_sin = ops.rope_cos_sin_cache(max_positions, inv_freq).to(device)
 
     def forward(self) -> torch.Tensor:
-        """Logits (float32) for the last token of each request in the batch."""
+        """Logits (model dtype) for the last token of each request; consumers upcast where they need to."""
         batch = get_ctx().batch
         hidden = self.model(batch.input_ids, self.cos_sin)
         if batch.logits_indices is not None:
             hidden = hidden[batch.logits_indices]
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)

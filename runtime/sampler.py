@@ -31,7 +31,7 @@ class SamplingArgs:
     temperatures: torch.Tensor | None  # None: the whole batch is greedy
     top_k: torch.Tensor | None = None  # None: no request restricts top-k
     top_p: torch.Tensor | None = None  # None: no request restricts top-p
-    greedy: torch.Tensor | None = None  # bool rows that take the argmax
+    greedy: torch.Tensor | None = None  # bool rows that take the argmax (None: no such row)
     seeds: torch.Tensor | None = None  # int64 per row
     positions: torch.Tensor | None = None  # int64 position of the sampled token (counter RNG key)
     seeded_rows: torch.Tensor | None = None  # rows drawn with the counter RNG on GPU (None: none)
@@ -79,7 +79,7 @@ def sample_counter(
     seeds: torch.Tensor, positions: torch.Tensor,
 ) -> torch.Tensor:
     """Torch sampling with counter-based noise: the exponential race argmax(p / E), E ~ Exp(1)."""
-    probs = torch.softmax(logits / temperatures[:, None], dim=-1)
+    probs = torch.softmax(logits.float() / temperatures[:, None], dim=-1)
     probs = filter_top_k_top_p(probs, top_k, top_p)
     noise = -torch.log(counter_uniform(seeds, positions, logits.shape[-1]))
     return (probs / noise).argmax(dim=-1)
@@ -101,7 +101,9 @@ class Sampler:
         top_k = np.where((batch.top_k <= 0) | (batch.top_k > self.vocab_size), self.vocab_size, batch.top_k)
         top_p = np.clip(batch.top_p, MIN_P, 1.0).astype(np.float32)
         dev = self.device
-        args = SamplingArgs(temperatures=host_to_device(temps, dev), greedy=host_to_device(greedy, dev))
+        args = SamplingArgs(temperatures=host_to_device(temps, dev))
+        if greedy.any():
+            args.greedy = host_to_device(greedy, dev)
         if (top_k != self.vocab_size).any():
             args.top_k = host_to_device(top_k.astype(np.int32 if self.use_flashinfer else np.int64), dev)
         if (top_p < 1.0).any():
@@ -128,6 +130,8 @@ class Sampler:
                 )
         else:
             out = sample_counter(logits, args.temperatures, args.top_k, args.top_p, args.seeds, args.positions)
+        if args.greedy is None:
+            return out
         return torch.where(args.greedy, logits.argmax(dim=-1), out)
 
     def _sample_flashinfer(self, logits: torch.Tensor, args: SamplingArgs) -> torch.Tensor:

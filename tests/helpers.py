@@ -75,13 +75,13 @@ def _teacher_forced(
             run = engine.graph_runner.pad(batch)
             engine._prepare_inputs(run)
             with engine.ctx.forward_batch(run):
-                logits = engine.graph_runner.replay(run)[:n].clone()
+                logits = engine.graph_runner.replay(run)[:n].clone().float()
         else:
             engine._prepare_inputs(batch)
             batch.logits_indices = None  # every position, not only the last
             engine.attn_backend.prepare(batch)
             with engine.ctx.forward_batch(batch):
-                logits = engine.model.forward()
+                logits = engine.model.forward().float()
         for i, part in zip(live, logits.split(ext.tolist())):
             out[i].append(part)
         start[live] += ext
