@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -243,19 +244,17 @@ def run_hf(cfg: RuntimeConfig, mode: str) -> dict:
             "requests": len(prompts)}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", action="append", required=True)
-    parser.add_argument("--out", default="benchmarks")
-    parser.add_argument("--name", default=None, help="results file stem (default: the config's stem)")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
-    base = load_config(args.config, args.overrides)
-    name = args.name or Path(args.config[-1]).stem
-    device = torch.device("cuda")
-    limits = measure_limits(device)
-    print(f"limits: {limits['hbm_gbps']:.0f} GB/s HBM, {limits['bf16_tflops']:.0f} TFLOP/s bf16", flush=True)
-    results: dict = {"name": name, "command": " ".join(sys.argv), "limits": limits, "config": to_yaml(base), "runs": {}}
+RUNS = {
+    # name: (config changes, fixed-output workload)
+    "tpinfer": ({}, False),
+    "tpinfer_no_graphs": ({"engine__cuda_graph_max_bs": 0}, False),
+    "tpinfer_no_overlap": ({"scheduler__overlap": False}, False),
+    "tpinfer_fixed": ({}, True),
+}
+
+
+def run_one(name: str, args: argparse.Namespace) -> dict:
+    """One measurement, in this process."""
 
     def variant(**changes: object) -> RuntimeConfig:
         cfg = load_config(args.config, args.overrides)
@@ -264,28 +263,53 @@ def main() -> int:
             setattr(getattr(cfg, section), attr, value)
         return cfg
 
-    runs = results["runs"]
-    runs["tpinfer"] = run_tpinfer(variant(), False, limits)
-    print("tpinfer", json.dumps(runs["tpinfer"]), flush=True)
-    if "no_graphs" in base.bench.ablations:
-        runs["tpinfer_no_graphs"] = run_tpinfer(variant(engine__cuda_graph_max_bs=0), False, limits)
-        print("no graphs", json.dumps(runs["tpinfer_no_graphs"]), flush=True)
-    if "no_overlap" in base.bench.ablations:
-        runs["tpinfer_no_overlap"] = run_tpinfer(variant(scheduler__overlap=False), False, limits)
-        print("no overlap", json.dumps(runs["tpinfer_no_overlap"]), flush=True)
-    if "batch1" in base.bench.ablations:
+    if name == "limits":
+        return measure_limits(torch.device("cuda"))
+    if name == "batch1_decode":
         graph_s, eager_s = batch1_step_time(variant(), True), batch1_step_time(variant(), False)
-        runs["batch1_decode"] = {"graph_step_ms": graph_s * 1e3, "eager_step_ms": eager_s * 1e3, "speedup": eager_s / graph_s}
-        print("batch-1", json.dumps(runs["batch1_decode"]), flush=True)
-    if base.bench.peers:
-        runs["tpinfer_fixed"] = run_tpinfer(variant(), True, limits)
-        print("tpinfer fixed", json.dumps(runs["tpinfer_fixed"]), flush=True)
-    for peer in base.bench.peers:
-        try:
-            runs[peer] = run_hf(variant(), peer)
-        except Exception as exc:  # a peer failing must not lose the measurements above
-            runs[peer] = {"error": repr(exc)}
-        print(peer, json.dumps(runs[peer]), flush=True)
+        return {"graph_step_ms": graph_s * 1e3, "eager_step_ms": eager_s * 1e3, "speedup": eager_s / graph_s}
+    if name in ("hf_continuous", "hf_static"):
+        return run_hf(variant(), name)
+    changes, fixed = RUNS[name]
+    return run_tpinfer(variant(**changes), fixed, json.loads(args.limits))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", action="append", required=True)
+    parser.add_argument("--out", default="benchmarks")
+    parser.add_argument("--name", default=None, help="results file stem (default: the config's stem)")
+    parser.add_argument("--run", default=None, help=argparse.SUPPRESS)  # internal: one measurement
+    parser.add_argument("--limits", default="{}", help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    if args.run:
+        print("RESULT " + json.dumps(run_one(args.run, args)), flush=True)
+        return 0
+    base = load_config(args.config, args.overrides)
+    name = args.name or Path(args.config[-1]).stem
+    results: dict = {"name": name, "command": " ".join(sys.argv), "config": to_yaml(base), "runs": {}}
+
+    def measure(run: str, limits: dict | None = None) -> dict:
+        # Each measurement in a fresh process: no allocator state or CUDA graphs carried between runs.
+        cmd = [sys.executable, __file__, "--run", run, "--limits", json.dumps(limits or {})]
+        cmd += [x for c in args.config for x in ("--config", c)] + args.overrides
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
+        return json.loads(lines[-1][len("RESULT "):])
+
+    limits = measure("limits")
+    results["limits"] = limits
+    print(f"limits: {limits}", flush=True)
+    plan = ["tpinfer"]
+    plan += [f"tpinfer_{a}" for a in base.bench.ablations if f"tpinfer_{a}" in RUNS]
+    plan += ["batch1_decode"] if "batch1" in base.bench.ablations else []
+    plan += ["tpinfer_fixed", *base.bench.peers] if base.bench.peers else []
+    for run in plan:
+        results["runs"][run] = measure(run, limits)
+        print(run, json.dumps(results["runs"][run]), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(results, indent=2))
