@@ -1,20 +1,24 @@
-"""Entry point: ``python launch.py`` (or under ``torchrun``) with YAML configs and key=value overrides.
+"""Entry point: ``python launch.py`` or ``torchrun --nproc-per-node N launch.py``, with YAML configs and overrides.
 
     python launch.py                                   # configs/default.yaml: built-in prompts
     python launch.py --config my.yaml cache.page_size=1
-    python launch.py job.input=rows.jsonl job.output=out.jsonl
+    torchrun --nproc-per-node 3 launch.py job.input=rows.jsonl job.output=out.jsonl
+
+Rank 0 runs the scheduler and the job; every other rank runs the worker loop.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import resource
 import sys
 from pathlib import Path
 
-from runtime.config import ConfigError, load_config, to_yaml
+from runtime.config import ConfigError, RuntimeConfig, load_config, to_yaml
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
+log = logging.getLogger("tpinfer")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -23,6 +27,53 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. cache.page_size=1")
     return parser.parse_args(argv)
+
+
+def run_rank0(cfg: RuntimeConfig) -> int:
+    from runtime.llm import LLM
+
+    llm = LLM(config=cfg)
+    try:
+        if cfg.job.input:
+            from runtime.job import run_job
+
+            if not cfg.job.output:
+                print("error: job.input is set but job.output is not", file=sys.stderr)
+                return 2
+            counts = run_job(llm, Path(cfg.job.input), Path(cfg.job.output))
+            stats = llm.last_stats
+            print(f"{counts['ok']} rows done, {counts['errors']} errors -> {cfg.job.output}; "
+                  f"{stats.get('output_tokens', 0)} tokens at {stats.get('tokens_per_s', 0):.1f} tokens/s")
+            return 0
+        prompts = [[{"role": "user", "content": p}] if cfg.job.chat_template else p for p in cfg.job.prompts]
+        outputs = llm.generate(prompts)
+        for prompt, out in zip(cfg.job.prompts, outputs):
+            print(f"### {prompt}\n{out.error if out.error else out.text}\n")
+        stats = llm.last_stats
+        print(f"{stats['output_tokens']} tokens in {stats['seconds']:.2f} s: {stats['tokens_per_s']:.1f} tokens/s "
+              f"({llm.engine.device.type}, tp={llm.engine.tp_size}, {len(outputs)} requests)")
+        return 0
+    finally:
+        llm.shutdown()
+
+
+def run_worker(cfg: RuntimeConfig) -> int:
+    from models.config import ModelConfig
+    from models.default_model import resolve_model_path
+    from runtime.engine import Engine
+    from runtime.worker import worker_loop
+
+    model_dir = resolve_model_path(cfg.model.path)
+    worker_loop(Engine(cfg, model_dir, ModelConfig.from_dir(model_dir)))
+    return 0
+
+
+def report_peak_memory(rank: int) -> None:
+    import torch
+
+    host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+    device = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_initialized() else 0.0
+    log.info("rank %d peak memory: host %.2f GiB, device %.2f GiB", rank, host, device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,38 +86,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
-    logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from runtime.llm import LLM
+    import torch
 
+    from parallel.distributed import init_distributed, read_torchrun_env, shutdown_distributed
+
+    rank = read_torchrun_env().rank
+    logging.basicConfig(level=cfg.logging.level, format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
+    use_cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and torch.cuda.is_available())
     try:
-        llm = LLM(config=cfg)
-    except (FileNotFoundError, ValueError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        tp = init_distributed(use_cuda, cfg.parallel.timeout_s)
+        code = run_rank0(cfg) if tp.rank == 0 else run_worker(cfg)
+        report_peak_memory(tp.rank)
+    except (FileNotFoundError, ValueError, RuntimeError, OSError) as exc:
+        print(f"error on rank {rank}: {exc}", file=sys.stderr)
         return 1
-    if cfg.job.input:
-        from runtime.job import run_job
-
-        if not cfg.job.output:
-            print("error: job.input is set but job.output is not", file=sys.stderr)
-            return 2
-        try:
-            counts = run_job(llm, Path(cfg.job.input), Path(cfg.job.output))
-        except OSError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        stats = llm.last_stats
-        print(f"{counts['ok']} rows done, {counts['errors']} errors -> {cfg.job.output}; "
-              f"{stats.get('output_tokens', 0)} tokens at {stats.get('tokens_per_s', 0):.1f} tokens/s")
-        return 0
-    prompts = [[{"role": "user", "content": p}] if cfg.job.chat_template else p for p in cfg.job.prompts]
-    outputs = llm.generate(prompts)
-    for prompt, out in zip(cfg.job.prompts, outputs):
-        print(f"### {prompt}\n{out.error if out.error else out.text}\n")
-    stats = llm.last_stats
-    print(f"{stats['output_tokens']} tokens in {stats['seconds']:.2f} s: {stats['tokens_per_s']:.1f} tokens/s "
-          f"({llm.engine.device.type}, {len(outputs)} requests)")
-    return 0
+    shutdown_distributed()
+    return code
 
 
 if __name__ == "__main__":

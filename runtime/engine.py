@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import resource
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from models import ops
 from models.config import ModelConfig
 from models.loader import load_model
-from parallel.state import get_cpu_group, get_tp
+from parallel.distributed import agree_on_memory
+from parallel.state import get_tp
 from runtime.attention import host_to_device
 from runtime.batch import Batch
 from runtime.config import RuntimeConfig
@@ -54,14 +55,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def agree_on_memory(free_bytes: int) -> tuple[int, int]:
-    """(min, max) of a number over all ranks with ONE all_reduce(MIN) of [free, -free] on the CPU group."""
-    t = torch.tensor([free_bytes, -free_bytes], dtype=torch.int64)
-    if get_tp().size > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=get_cpu_group())
-    return int(t[0]), -int(t[1])
-
-
 class Engine:
     def __init__(self, cfg: RuntimeConfig, model_dir: Path, model_config: ModelConfig) -> None:
         self.cfg = cfg
@@ -76,6 +69,7 @@ class Engine:
         self.page_size = cfg.cache.page_size
         self.max_pages_per_req = -(-self.max_seq_len // self.page_size)
         self.max_running = cfg.scheduler.max_running_requests
+        self.tp_size = get_tp().size
         self.dummy_row = self.max_running  # the extra last row: padding and discarded samples
 
         kernels = cfg.engine.kernels
@@ -88,6 +82,11 @@ class Engine:
         self.model = load_model(
             model_dir, model_config, self.device, self.dtype, self.max_seq_len + 1,
             random_seed=cfg.engine.seed if cfg.model.random_weights else None,
+        )
+        log.info(
+            "rank %d: weights loaded (%.2f GiB on this rank), peak host memory so far %.2f GiB",
+            get_tp().rank, sum(p.numel() * p.element_size() for p in self.model.parameters()) / 2**30,
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         )
         self.num_pages = self._determine_num_pages(free_before)
         heads = self.model.model.layers[0].self_attn

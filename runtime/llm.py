@@ -9,7 +9,9 @@ from typing import Any, Union
 
 from models.config import ModelConfig
 from models.default_model import resolve_model_path
-from runtime.batch import Req
+from parallel.state import get_tp
+from runtime.batch import Batch, Req
+from runtime.broadcast import send_batch
 from runtime.config import RuntimeConfig, load_config
 from runtime.engine import Engine
 from runtime.loop import run_until_idle
@@ -139,10 +141,23 @@ class LLM:
             if on_result is not None:
                 on_result(keys[out.index], out)
 
+        publish = on_batch
+        if get_tp().size > 1:  # the other ranks run every step rank 0 schedules
+
+            def publish(batch: Batch | None) -> None:
+                send_batch(batch)
+                if on_batch is not None:
+                    on_batch(batch)
+
         start = time.perf_counter()
-        run_until_idle(self.scheduler, self.engine, self.cfg.scheduler.overlap, finish, on_batch)
+        run_until_idle(self.scheduler, self.engine, self.cfg.scheduler.overlap, finish, publish)
         elapsed = time.perf_counter() - start
         done = [outputs[i] for i in order]
         generated = sum(o.completion_tokens for o in done)
         self.last_stats = {"seconds": elapsed, "output_tokens": generated, "tokens_per_s": generated / max(elapsed, 1e-9)}
         return done
+
+    def shutdown(self) -> None:
+        """Release the worker ranks (TP): they leave their loop and exit."""
+        if get_tp().size > 1:
+            send_batch(None, stop=True)

@@ -1,0 +1,59 @@
+"""Rank 0 -> all ranks: the step's batch descriptor as int tensors over the gloo CPU group.
+
+Two broadcasts per step: a fixed-size header (kind and array lengths), then one
+int64 payload holding every array (float32 arrays travel as their bit
+patterns). No pickling: the other ranks rebuild an identical ``Batch``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from parallel.state import get_cpu_group
+from runtime.batch import Batch
+
+STOP, IDLE, PREFILL, DECODE = 0, 1, 2, 3
+_INT_FIELDS = ("rows", "starts", "ext_lens", "sample_rows", "top_k", "seeds", "seeded")
+_FLOAT_FIELDS = ("temperature", "top_p")
+_ADMIT_FIELDS = ("admit_rows", "admit_token_lens", "admit_tokens", "admit_page_lens", "admit_pages")
+
+
+def _broadcast(t: torch.Tensor) -> torch.Tensor:
+    dist.broadcast(t, src=0, group=get_cpu_group())
+    return t
+
+
+def send_batch(batch: Batch | None, stop: bool = False) -> None:
+    """Rank 0: publish this step (None = nothing to run now; ``stop`` = the workers exit)."""
+    if stop or batch is None:
+        _broadcast(torch.tensor([STOP if stop else IDLE, 0, 0, 0, 0, 0], dtype=torch.int64))
+        return
+    admit = [getattr(batch, f) for f in _ADMIT_FIELDS]
+    header = [PREFILL if batch.phase == "prefill" else DECODE, batch.size, len(admit[0]), len(admit[2]), len(admit[4]), 0]
+    parts = [getattr(batch, f).astype(np.int64) for f in _INT_FIELDS]
+    parts += [getattr(batch, f).astype(np.float32).view(np.int32).astype(np.int64) for f in _FLOAT_FIELDS]
+    parts += [a.astype(np.int64) for a in admit]
+    _broadcast(torch.tensor(header, dtype=torch.int64))
+    _broadcast(torch.from_numpy(np.concatenate(parts)))
+
+
+def recv_batch() -> Batch | int:
+    """Other ranks: the next step's batch, or STOP / IDLE."""
+    header = _broadcast(torch.zeros(6, dtype=torch.int64)).tolist()
+    kind, n, n_admit, n_tokens, n_pages = header[:5]
+    if kind in (STOP, IDLE):
+        return kind
+    sizes = [n] * (len(_INT_FIELDS) + len(_FLOAT_FIELDS)) + [n_admit, n_admit, n_tokens, n_admit, n_pages]
+    payload = _broadcast(torch.empty(sum(sizes), dtype=torch.int64)).numpy()
+    arrays = np.split(payload, np.cumsum(sizes)[:-1])
+    values: dict = {}
+    for name, arr in zip(_INT_FIELDS, arrays):
+        values[name] = arr.astype(np.int64 if name == "seeds" else np.int32)
+    values["seeded"] = values["seeded"].astype(bool)
+    for name, arr in zip(_FLOAT_FIELDS, arrays[len(_INT_FIELDS) :]):
+        values[name] = arr.astype(np.int32).view(np.float32)
+    for name, arr in zip(_ADMIT_FIELDS, arrays[len(_INT_FIELDS) + len(_FLOAT_FIELDS) :]):
+        values[name] = arr.astype(np.int32)
+    return Batch(phase="prefill" if kind == PREFILL else "decode", **values)
