@@ -31,19 +31,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def run_rank0(cfg: RuntimeConfig) -> int:
     from runtime.llm import LLM
+    from runtime.signals import EXIT_PREEMPTED, Drain, install_drain_handlers
 
+    drain = Drain()
+    install_drain_handlers(drain)  # before the (long) model load: a signal then still drains cleanly
     llm = LLM(config=cfg)
+    llm.drain = drain
     try:
         if cfg.job.input:
             from runtime.job import run_job
 
-            if not cfg.job.output:
-                print("error: job.input is set but job.output is not", file=sys.stderr)
-                return 2
-            counts = run_job(llm, Path(cfg.job.input), Path(cfg.job.output))
-            stats = llm.last_stats
-            print(f"{counts['ok']} rows done, {counts['errors']} errors -> {cfg.job.output}; "
-                  f"{stats.get('output_tokens', 0)} tokens at {stats.get('tokens_per_s', 0):.1f} tokens/s")
+            m = run_job(llm, to_yaml(cfg))
+            print(f"{m['completed']} rows done, {m['errors']} errors, {m['already_done']} done before -> "
+                  f"{cfg.job.output}; {m['output_tokens']} tokens at {m['output_tokens_per_s']:.1f} tokens/s")
+            if llm.interrupted or drain.requested:
+                print(f"interrupted by signal: finished rows are on disk; rerun to complete (exit {EXIT_PREEMPTED})",
+                      file=sys.stderr)
+                return EXIT_PREEMPTED
             return 0
         prompts = [[{"role": "user", "content": p}] if cfg.job.chat_template else p for p in cfg.job.prompts]
         outputs = llm.generate(prompts)
@@ -61,8 +65,10 @@ def run_worker(cfg: RuntimeConfig) -> int:
     from models.config import ModelConfig
     from models.default_model import resolve_model_path
     from runtime.engine import Engine
+    from runtime.signals import ignore_drain_signals
     from runtime.worker import worker_loop
 
+    ignore_drain_signals()  # rank 0 decides when to stop; a worker leaving early would stall everyone
     model_dir = resolve_model_path(cfg.model.path)
     worker_loop(Engine(cfg, model_dir, ModelConfig.from_dir(model_dir)))
     return 0
@@ -86,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
+    if bool(cfg.job.input) != bool(cfg.job.output):
+        print("error: config keys 'job.input' and 'job.output' must be set together", file=sys.stderr)
+        return 2
+    if cfg.job.input and not Path(cfg.job.input).is_file():
+        print(f"error: config key 'job.input'={cfg.job.input} does not exist", file=sys.stderr)
+        return 2
 
     import torch
 

@@ -71,8 +71,13 @@ class SamplingSection:
 class JobSection:
     prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))
     input: str | None = None  # JSONL rows {"id", "prompt" | "messages", "sampling"?}
-    output: str | None = None  # JSONL results, one row per input id
+    output: str | None = None  # JSONL results, one row per input id; a rerun skips ids already there
+    errors: str | None = None  # JSONL rows that could not be served (default: <output>.errors.jsonl)
+    metrics: str | None = None  # JSON summary at the end (default: <output>.metrics.json)
     chat_template: bool = True  # apply the model's chat template to plain-string prompts
+    fsync_every_s: float = 5.0  # how often finished rows are forced to disk
+    drain_timeout_s: float = 20.0  # after SIGTERM/SIGUSR1: finish in-flight rows for at most this long
+    progress: bool = True  # tqdm bar on rank 0
 
 
 @dataclass

@@ -1,13 +1,19 @@
-"""JSONL jobs: rows in, one result row per input row out.
+"""Resumable JSONL jobs: rows in, one result row per input id out.
 
 Input rows are ``{"id", "prompt"}`` or ``{"id", "messages"}`` with an optional
-``"sampling"`` object. A row that cannot be served (bad JSON, bad fields, a
-prompt too long) gets an ``"error"`` row; every other row still runs.
+``"sampling"`` object. Results are appended to the output as they complete, one
+whole line each (a torn last line from a killed run is cut off on resume).
+Rows that cannot be served go to the errors file and the job goes on. A rerun
+skips every id already in the output (and every error already recorded), so a
+job killed at any moment and rerun ends with exactly one row per input id.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +29,30 @@ class JobRow:
     prompt: Any = None
     sampling: SamplingParams | None = None
     error: str | None = None
+
+    @property
+    def key(self) -> str:
+        """Identity across reruns: the id for good rows, the line for rows that fail to parse."""
+        return f"line:{self.line}" if self.error is not None else json.dumps(self.id)
+
+
+@dataclass
+class JobPaths:
+    input: Path
+    output: Path
+    errors: Path
+    metrics: Path
+    config: Path
+
+    @classmethod
+    def from_config(cls, job: Any) -> JobPaths:
+        out = Path(job.output)
+        return cls(
+            input=Path(job.input), output=out,
+            errors=Path(job.errors) if job.errors else out.with_suffix(".errors.jsonl"),
+            metrics=Path(job.metrics) if job.metrics else out.with_suffix(".metrics.json"),
+            config=out.with_suffix(".config.yaml"),
+        )
 
 
 def read_rows(path: Path, defaults: SamplingParams, chat_template: bool) -> Iterator[JobRow]:
@@ -60,35 +90,118 @@ def _parse_row(line: str, line_no: int, defaults: SamplingParams, chat_template:
     return JobRow(line_no, row_id, prompt=prompt, sampling=sampling)
 
 
+def done_keys(path: Path, error_file: bool) -> set[str]:
+    """Keys of the rows a previous run wrote; a torn last line (killed mid-write) is cut off first."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    whole = data[: data.rfind(b"\n") + 1]
+    if len(whole) != len(data):
+        with open(path, "r+b") as f:
+            f.truncate(len(whole))
+    keys = set()
+    for line in whole.decode("utf-8").splitlines():
+        row = json.loads(line)
+        keys.add(row["key"] if error_file else json.dumps(row["id"]))
+    return keys
+
+
+class JsonlAppender:
+    """Appends whole lines; flushes each, fsyncs at a cadence and on close."""
+
+    def __init__(self, path: Path, fsync_every_s: float) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "a", encoding="utf-8")
+        self.fsync_every_s = fsync_every_s
+        self.last_sync = time.monotonic()
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.file.write(json.dumps(row, ensure_ascii=False) + "\n")
+        self.file.flush()
+        if time.monotonic() - self.last_sync >= self.fsync_every_s:
+            os.fsync(self.file.fileno())
+            self.last_sync = time.monotonic()
+
+    def close(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+
+
 def result_row(row_id: Any, output: Any) -> dict[str, Any]:
-    if output.error is not None:
-        return {"id": row_id, "error": output.error}
     return {
         "id": row_id, "text": output.text, "finish_reason": output.finish_reason,
         "prompt_tokens": output.prompt_tokens, "completion_tokens": output.completion_tokens,
     }
 
 
-def run_job(llm: Any, input_path: Path, output_path: Path) -> dict[str, int]:
-    """Serve every row of ``input_path``; results are appended to ``output_path`` as they complete."""
-    defaults = llm.default_sampling()
-    rows = list(read_rows(input_path, defaults, llm.cfg.job.chat_template))
-    output_path.parent.mkdir(parents=True, exist_ok=True)
-    counts = {"rows": len(rows), "ok": 0, "errors": 0}
-    with open(output_path, "w", encoding="utf-8") as out:
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    ordered = sorted(values)
 
-        def write(row_id: Any, result: Any) -> None:
-            out.write(json.dumps(result_row(row_id, result), ensure_ascii=False) + "\n")
-            out.flush()
-            counts["errors" if result.error else "ok"] += 1
+    def pick(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
-        for row in rows:
+    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "max": ordered[-1]}
+
+
+def run_job(llm: Any, config_yaml: str) -> dict[str, Any]:
+    """Serve every row not yet done; returns the metrics (also written to the metrics file)."""
+    job = llm.cfg.job
+    paths = JobPaths.from_config(job)
+    if not paths.input.is_file():
+        raise FileNotFoundError(f"job.input={paths.input} does not exist")
+    rows = list(read_rows(paths.input, llm.default_sampling(), job.chat_template))
+    done = done_keys(paths.output, error_file=False) | done_keys(paths.errors, error_file=True)
+    todo = [r for r in rows if r.key not in done]
+    paths.config.parent.mkdir(parents=True, exist_ok=True)
+    paths.config.write_text(config_yaml)
+    outputs, errors = JsonlAppender(paths.output, job.fsync_every_s), JsonlAppender(paths.errors, job.fsync_every_s)
+    counts = {"ok": 0, "errors": 0, "input_tokens": 0, "output_tokens": 0}
+    latencies: list[float] = []
+    start = time.perf_counter()
+    bar = _progress(len(todo), job.progress)
+
+    def record_error(row: JobRow | None, key: str, row_id: Any, message: str) -> None:
+        errors.write({"id": row_id, "key": key, "error": message})
+        counts["errors"] += 1
+        bar.update(1)
+
+    def on_result(row: JobRow, output: Any) -> None:
+        if output.error is not None:
+            record_error(row, row.key, row.id, output.error)
+            return
+        outputs.write(result_row(row.id, output))
+        counts["ok"] += 1
+        counts["input_tokens"] += output.prompt_tokens
+        counts["output_tokens"] += output.completion_tokens
+        latencies.append(time.perf_counter() - start)
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{counts['output_tokens'] / max(time.perf_counter() - start, 1e-9):.0f}")
+
+    try:
+        for row in todo:
             if row.error is not None:
-                write(row.id, _Failed(row.error))
-        llm.run([(row.id, row.prompt, row.sampling) for row in rows if row.error is None], on_result=write)
-    return counts
+                record_error(row, row.key, row.id, row.error)
+        llm.run([(row, row.prompt, row.sampling) for row in todo if row.error is None], on_result=on_result)
+    finally:
+        outputs.close()
+        errors.close()
+        bar.close()
+    wall = time.perf_counter() - start
+    metrics = {
+        "rows": len(rows), "already_done": len(rows) - len(todo), "completed": counts["ok"], "errors": counts["errors"],
+        "interrupted": llm.interrupted, "input_tokens": counts["input_tokens"], "output_tokens": counts["output_tokens"],
+        "output_tokens_per_s": counts["output_tokens"] / max(wall, 1e-9), "wall_s": wall,
+        "latency_s": _percentiles(latencies), "tp_size": llm.engine.tp_size,
+        "config_hash": hashlib.sha256(config_yaml.encode()).hexdigest()[:16],
+    }
+    paths.metrics.write_text(json.dumps(metrics, indent=2) + "\n")
+    return metrics
 
 
-@dataclass
-class _Failed:
-    error: str
+def _progress(total: int, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="rows", unit="row", disable=not enabled, dynamic_ncols=True)

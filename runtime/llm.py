@@ -17,6 +17,7 @@ from runtime.engine import Engine
 from runtime.loop import run_until_idle
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler
+from runtime.signals import Drain
 from runtime.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
 
 Prompt = Union[str, list[int], list[dict[str, str]]]
@@ -50,6 +51,8 @@ class LLM:
         self.scheduler = Scheduler(cfg.scheduler, e.num_pages, e.page_size, e.max_seq_len, e.dummy_row, self.eos_ids)
         self._next_uid = 0
         self.last_stats: dict[str, float] = {}
+        self.drain: Drain | None = None  # set by the launcher to drain on SIGTERM/SIGUSR1
+        self.interrupted = False
 
     # ---- prompts ----------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -150,9 +153,13 @@ class LLM:
                     on_batch(batch)
 
         start = time.perf_counter()
-        run_until_idle(self.scheduler, self.engine, self.cfg.scheduler.overlap, finish, publish)
+        completed = run_until_idle(
+            self.scheduler, self.engine, self.cfg.scheduler.overlap, finish, publish, self.drain,
+            self.cfg.job.drain_timeout_s,
+        )
+        self.interrupted = not completed
         elapsed = time.perf_counter() - start
-        done = [outputs[i] for i in order]
+        done = [outputs.get(i) or RequestOutput(index=i, error="interrupted before it finished") for i in order]
         generated = sum(o.completion_tokens for o in done)
         self.last_stats = {"seconds": elapsed, "output_tokens": generated, "tokens_per_s": generated / max(elapsed, 1e-9)}
         return done

@@ -11,12 +11,14 @@ from collections.abc import Callable
 from runtime.batch import Batch, Req
 from runtime.engine import Engine, ForwardOutput
 from runtime.scheduler import Scheduler
+from runtime.signals import Drain
 
 
 def run_until_idle(
     scheduler: Scheduler, engine: Engine, overlap: bool, on_finish: Callable[[Req], None],
-    on_batch: Callable[[Batch | None], None] | None = None,
-) -> None:
+    on_batch: Callable[[Batch | None], None] | None = None, drain: Drain | None = None, drain_timeout_s: float = 0.0,
+) -> bool:
+    """Serve until nothing is left; returns False if a drain request cut the run short."""
     last: tuple[Batch, ForwardOutput] | None = None
 
     def handle(step: tuple[Batch, ForwardOutput]) -> None:
@@ -24,6 +26,13 @@ def run_until_idle(
             on_finish(req)
 
     while True:
+        if drain is not None and drain.requested:
+            scheduler.draining = True  # admit nothing new; what runs may finish
+            if drain.expired(drain_timeout_s):
+                if last is not None:
+                    handle(last)
+                scheduler.abort_all()
+                return False
         batch = scheduler.schedule()
         if on_batch is not None:
             on_batch(batch)  # TP: broadcast the descriptor (None tells the workers the job is idle)
@@ -37,5 +46,8 @@ def run_until_idle(
             last = None
         if batch is None and not had_pending:
             if scheduler.idle:
-                return
+                return True
+            if scheduler.draining:
+                scheduler.abort_all()  # only never-admitted requests are left
+                return False
             raise RuntimeError("scheduler stalled: requests are waiting but none can be admitted")

@@ -46,6 +46,7 @@ class Scheduler:
         self.prefilling: list[Req] = []
         self.running: list[Req] = []
         self.stats = SchedulerStats()
+        self.draining = False  # set on SIGTERM/SIGUSR1: admit nothing new
 
     # ---- admission --------------------------------------------------------------------------------------
     def pages_for(self, req: Req) -> int:
@@ -83,7 +84,7 @@ class Scheduler:
             chunks.append((req, n))
             budget -= n
         admitted: list[Req] = []
-        while self.waiting and budget > 0 and self.free_rows:
+        while self.waiting and budget > 0 and self.free_rows and not self.draining:
             req = self.waiting[0]
             need = self.pages_for(req)
             if need > self.allocator.num_free:
@@ -168,6 +169,18 @@ class Scheduler:
         if len(req.output_ids) >= req.max_new_tokens:
             return "length"
         return None
+
+    def abort_all(self) -> list[Req]:
+        """Drop every unfinished request (an interrupted run); their resources come back."""
+        dropped = list(self.waiting) + [r for r in self.prefilling + self.running if r.finish_reason is None]
+        for req in dropped:
+            if req.table_idx >= 0:
+                self._release(req)
+            req.finish_reason = "abort"
+        self.waiting.clear()
+        self.prefilling, self.running = [], []
+        self.draining = False
+        return dropped
 
     def _release(self, req: Req) -> None:
         # Pages and the row go back at once: any step still in flight that reads them runs before

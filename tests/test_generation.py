@@ -154,9 +154,14 @@ def test_launch_job_mode_writes_one_row_per_input(default_model_dir, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     results = [json.loads(line) for line in out.read_text().splitlines()]
-    by_id = {r["id"]: r for r in results if r["id"] is not None}
-    assert len(results) == 4
+    errors = [json.loads(line) for line in out.with_suffix(".errors.jsonl").read_text().splitlines()]
+    by_id = {r["id"]: r for r in results}
+    assert sorted(by_id) == ["a", "b"]
     assert "Paris" in by_id["a"]["text"] and by_id["a"]["finish_reason"] == "stop"
     assert by_id["b"]["completion_tokens"] <= 8
-    assert "temperature" in by_id["c"]["error"]
-    assert any(r["id"] is None and "not valid JSON" in r["error"] for r in results)
+    assert len(errors) == 2
+    assert any(e["id"] == "c" and "temperature" in e["error"] for e in errors)
+    assert any(e["id"] is None and "not valid JSON" in e["error"] for e in errors)
+    metrics = json.loads(out.with_suffix(".metrics.json").read_text())
+    assert metrics["completed"] == 2 and metrics["errors"] == 2 and metrics["rows"] == 4
+    assert "page_size: 16" in out.with_suffix(".config.yaml").read_text()

@@ -1,0 +1,46 @@
+"""Graceful drain on SIGTERM / SIGUSR1 (Slurm preemption and time limits).
+
+Rank 0 stops admitting requests, finishes what is in flight for a bounded
+time, flushes its outputs and exits with ``EXIT_PREEMPTED`` so a Slurm script
+can requeue the job; the rerun skips the rows already written. Worker ranks
+ignore the signals: they follow rank 0 until it tells them to stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import dataclass
+
+EXIT_PREEMPTED = 143  # 128 + SIGTERM: "interrupted, resumable"
+DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Drain:
+    signum: int | None = None
+    since: float = 0.0
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def request(self, signum: int, frame: object = None) -> None:
+        if self.signum is None:
+            self.signum, self.since = signum, time.monotonic()
+            log.warning("%s received: draining (no new requests, in-flight ones finish)", signal.Signals(signum).name)
+
+    def expired(self, timeout_s: float) -> bool:
+        return self.requested and time.monotonic() - self.since > timeout_s
+
+
+def install_drain_handlers(drain: Drain) -> None:
+    for sig in DRAIN_SIGNALS:
+        signal.signal(sig, drain.request)
+
+
+def ignore_drain_signals() -> None:
+    for sig in DRAIN_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)

@@ -1,0 +1,198 @@
+"""Build the torchrun command for the current Slurm allocation; print it or exec it.
+
+    python scripts/slurm/torchrun_cmd.py [--dry-run] [--nproc-per-node N] [--rdzv-port 29500] -- launch.py ...
+
+Started once per node (srun --ntasks-per-node=1): every node's torchrun meets the others
+through the c10d rendezvous on the first host of the node list, and torchrun starts one
+rank per GPU. Bad or missing Slurm variables exit with code 2 and name the variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+
+DEFAULT_PORT = 29500
+_BRACKET = re.compile(r"\[([^\[\]]*)\]")
+
+
+class SlurmEnvError(ValueError):
+    """A Slurm variable is missing or malformed; the message names it."""
+
+
+def _split_top_level(nodelist: str) -> list[str]:
+    """Split on commas outside brackets: 'a[1,3],b' -> ['a[1,3]', 'b']."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(nodelist):
+        if ch == "[":
+            depth += 1
+            if depth > 1:
+                raise ValueError(f"nested '[' in node list {nodelist!r}")
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"unbalanced ']' in node list {nodelist!r}")
+        elif ch == "," and depth == 0:
+            items.append(nodelist[start:i])
+            start = i + 1
+    if depth:
+        raise ValueError(f"unclosed '[' in node list {nodelist!r}")
+    items.append(nodelist[start:])
+    return items
+
+
+def _expand_ranges(body: str) -> list[str]:
+    """'01-03,7' -> ['01', '02', '03', '7']; the low bound's width sets the zero padding, as in Slurm."""
+    out: list[str] = []
+    for part in body.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"bad range {part!r} in [{body}]")
+        if not sep:
+            out.append(lo)
+            continue
+        if int(hi) < int(lo):
+            raise ValueError(f"descending range {part!r} in [{body}]")
+        out.extend(str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1))
+    return out
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand Slurm node-list syntax: 'gpu[01-03,07],cpu5' -> ['gpu01', 'gpu02', 'gpu03', 'gpu07', 'cpu5'].
+
+    Several bracket groups in one name expand as a cartesian product, left group slowest
+    ('r[1-2]n[1-2]' -> r1n1 r1n2 r2n1 r2n2), matching `scontrol show hostnames`.
+    """
+    hosts: list[str] = []
+    for item in _split_top_level(nodelist.strip()):
+        item = item.strip()
+        if not item:
+            raise ValueError(f"empty host name in node list {nodelist!r}")
+        names = [""]
+        # re.split with one capture group alternates literal, group body, literal, ...
+        for i, piece in enumerate(_BRACKET.split(item)):
+            choices = _expand_ranges(piece) if i % 2 else [piece]
+            names = [name + choice for name in names for choice in choices]
+        hosts.extend(names)
+    return hosts
+
+
+def resolve_hostnames(nodelist: str) -> list[str]:
+    """Slurm's own expansion when scontrol is on PATH (it is the authority); ours otherwise."""
+    scontrol = shutil.which("scontrol")
+    if scontrol:
+        try:
+            proc = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True,
+                                  check=True, timeout=60)
+            return proc.stdout.split()
+        except (OSError, subprocess.SubprocessError) as exc:
+            # e.g. a login node without slurm.conf: the syntax is still ours to expand.
+            print(f"torchrun_cmd: warning: scontrol failed ({exc}); expanding the node list in Python",
+                  file=sys.stderr)
+    return expand_nodelist(nodelist)
+
+
+def _first(env: Mapping[str, str], *names: str) -> tuple[str, str] | None:
+    """(name, value) of the first variable that is set and non-empty."""
+    for name in names:
+        value = env.get(name, "").strip()
+        if value:
+            return name, value
+    return None
+
+
+def _positive_int(name: str, value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise SlurmEnvError(f"{name}={value!r} is not a positive integer")
+    return int(value)
+
+
+def _require(env: Mapping[str, str], *names: str) -> tuple[str, str]:
+    found = _first(env, *names)
+    if found is None:
+        raise SlurmEnvError(f"{' or '.join(names)} is not set (run inside a Slurm allocation, or fake it for --dry-run)")
+    return found
+
+
+def build_command(env: Mapping[str, str], nproc: int | None, port: int, passthrough: list[str], *,
+                  hostnames: Callable[[str], list[str]] = resolve_hostnames) -> list[str]:
+    """The torchrun argv for this allocation; raises SlurmEnvError naming the bad variable."""
+    nnodes = _positive_int(*_require(env, "SLURM_JOB_NUM_NODES", "SLURM_NNODES"))
+    list_var, nodelist = _require(env, "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+    _, job_id = _require(env, "SLURM_JOB_ID")
+    try:
+        hosts = hostnames(nodelist)
+    except ValueError as exc:
+        raise SlurmEnvError(f"{list_var}: {exc}") from None
+    # A count that disagrees with the list would leave torchrun waiting for nodes that never come.
+    if len(hosts) != nnodes:
+        raise SlurmEnvError(f"SLURM_JOB_NUM_NODES={nnodes} but {list_var}={nodelist!r} names {len(hosts)} hosts")
+    if nproc is None:
+        found = _first(env, "SLURM_GPUS_ON_NODE", "SLURM_NTASKS_PER_NODE")
+        nproc = _positive_int(*found) if found else 1
+    return [
+        "torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+        # c10d: the first host runs the rendezvous store itself, so no etcd or fixed MASTER_ADDR is needed.
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={hosts[0]}:{port}", f"--rdzv-id={job_id}",
+        # A failed rank fails the job: restarting in place would redo work the requeue path resumes anyway.
+        "--max-restarts=0",
+        *passthrough,
+    ]
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1-65535)")
+    return int(text)
+
+
+def _nproc(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    env = os.environ if environ is None else environ
+    parser = argparse.ArgumentParser(
+        prog="torchrun_cmd.py", usage="%(prog)s [--dry-run] [--nproc-per-node N] [--rdzv-port PORT] -- launch.py ...",
+        description="Build the torchrun command for this Slurm allocation and exec it (or print it).")
+    parser.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    parser.add_argument("--nproc-per-node", type=_nproc, default=None,
+                        help="ranks per node (default: SLURM_GPUS_ON_NODE, else SLURM_NTASKS_PER_NODE, else 1)")
+    parser.add_argument("--rdzv-port", type=_port, default=DEFAULT_PORT, help=f"rendezvous port (default {DEFAULT_PORT})")
+    # Split at the first `--` ourselves: argparse would otherwise try to read launch.py's own options.
+    if "--" not in argv:
+        parser.error("put the command for torchrun after `--`, e.g. -- launch.py --config configs/default.yaml")
+    split = argv.index("--")
+    args, passthrough = parser.parse_args(argv[:split]), argv[split + 1:]
+    if not passthrough:
+        parser.error("nothing to run after `--`")
+    try:
+        cmd = build_command(env, args.nproc_per_node, args.rdzv_port, passthrough)
+    except SlurmEnvError as exc:
+        print(f"torchrun_cmd: error: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(shlex.join(cmd))
+        return 0
+    # Every node logs into the same job output file: say which node this line comes from.
+    print(f"torchrun_cmd [node {env.get('SLURM_NODEID', '?')}]: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    try:
+        os.execvp(cmd[0], cmd)  # replace this process so srun's signals reach torchrun directly
+    except OSError as exc:
+        print(f"torchrun_cmd: error: cannot run {cmd[0]}: {exc}", file=sys.stderr)
+        return 127
+    return 0  # not reached: execvp only returns by raising
+
+
+if __name__ == "__main__":
+    sys.exit(main())
