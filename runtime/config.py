@@ -37,6 +37,8 @@ class CacheSection:
     memory_ratio: float = 0.9  # share of free GPU memory (before loading) for model + KV cache
     cpu_memory_bytes: int = 2 << 30  # on CPU this budget stands in for free GPU memory
     num_pages: int = 0  # > 0 fixes the KV page count instead of the formula
+    type: str = "radix"  # radix: reuse KV of shared prefixes across requests | naive: no reuse
+    debug_checks: bool = False  # verify page ownership (free + cached + held = pool) every step
 
 
 @dataclass
@@ -127,6 +129,7 @@ class ConfigError(ValueError):
 _CHOICES = {
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "engine.device": ("auto", "cpu", "cuda"),
+    "cache.type": ("radix", "naive"),
     "engine.attention_backend": ("auto", "torch", "flashinfer"),
     "engine.kernels": ("auto", "torch", "flashinfer"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),

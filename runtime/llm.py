@@ -48,7 +48,10 @@ class LLM:
         self.eos_ids = eos_token_ids(self.model_dir, self.tokenizer)
         self.engine = Engine(cfg, self.model_dir, self.model_config)
         e = self.engine
-        self.scheduler = Scheduler(cfg.scheduler, e.num_pages, e.page_size, e.max_seq_len, e.dummy_row, self.eos_ids)
+        self.scheduler = Scheduler(
+            cfg.scheduler, e.num_pages, e.page_size, e.max_seq_len, e.dummy_row, self.eos_ids,
+            cfg.cache.type, cfg.cache.debug_checks,
+        )
         self._next_uid = 0
         self.last_stats: dict[str, float] = {}
         self.drain: Drain | None = None  # set by the launcher to drain on SIGTERM/SIGUSR1

@@ -18,12 +18,14 @@ import numpy as np
 from runtime.batch import Batch, Req
 from runtime.config import SchedulerSection
 from runtime.kv_cache import PageAllocator
+from runtime.radix_cache import RadixCache
 from runtime.tokenizer import find_stop
 
 
 @dataclass
 class SchedulerStats:
     page_waits: int = 0  # steps in which the next waiting request had to wait for free pages
+    cached_tokens: int = 0  # prompt tokens served from the radix cache instead of computed
     prefill_steps: int = 0
     decode_steps: int = 0
     prefill_tokens: int = 0
@@ -33,7 +35,7 @@ class SchedulerStats:
 class Scheduler:
     def __init__(
         self, cfg: SchedulerSection, num_pages: int, page_size: int, max_seq_len: int, dummy_row: int,
-        eos_ids: set[int],
+        eos_ids: set[int], cache_type: str = "naive", debug_checks: bool = False,
     ) -> None:
         self.cfg = cfg
         self.page_size = page_size
@@ -41,6 +43,8 @@ class Scheduler:
         self.dummy_row = dummy_row
         self.eos_ids = frozenset(eos_ids)
         self.allocator = PageAllocator(num_pages)
+        self.cache = RadixCache(self.allocator, page_size) if cache_type == "radix" else None
+        self.debug_checks = debug_checks
         self.free_rows = list(range(cfg.max_running_requests - 1, -1, -1))
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []
@@ -72,7 +76,33 @@ class Scheduler:
         self.running.extend(r for r in self.prefilling if r.prefill_done)
         self.prefilling = [r for r in self.prefilling if not r.prefill_done]
         self.running = [r for r in self.running if r.finish_reason is None]
-        return self._schedule_prefill() or self._schedule_decode()
+        batch = self._schedule_prefill() or self._schedule_decode()
+        if self.debug_checks:
+            self.check_integrity()
+        return batch
+
+    def _admit(self, req: Req) -> bool:
+        """Give ``req`` a row and pages for its whole reservation, reusing a cached prefix if any."""
+        need = self.pages_for(req)
+        matched, node = [], None
+        if self.cache is not None:
+            # Always compute at least the last prompt token: its logits give the first new token.
+            matched, node = self.cache.match(req.prompt_ids[:-1])
+            self.cache.lock(node)  # before evicting, so the match itself survives
+        short = need - len(matched) - self.allocator.num_free
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
+            short = need - len(matched) - self.allocator.num_free
+        if short > 0:
+            if node is not None:
+                self.cache.unlock(node)
+            return False
+        req.pages = matched + self.allocator.alloc(need - len(matched))
+        req.prefix_pages, req.cache_node = len(matched), node
+        req.cached_len = len(matched) * self.page_size
+        req.table_idx = self.free_rows.pop()
+        self.stats.cached_tokens += req.cached_len
+        return True
 
     def _schedule_prefill(self) -> Batch | None:
         budget = self.cfg.max_prefill_tokens
@@ -81,21 +111,20 @@ class Scheduler:
             if budget == 0:
                 break
             n = min(req.prompt_len - req.cached_len, budget)
+            if n == 0:
+                continue
             chunks.append((req, n))
             budget -= n
         admitted: list[Req] = []
         while self.waiting and budget > 0 and self.free_rows and not self.draining:
             req = self.waiting[0]
-            need = self.pages_for(req)
-            if need > self.allocator.num_free:
+            if not self._admit(req):
                 self.stats.page_waits += 1
                 break
             self.waiting.popleft()
-            req.pages = self.allocator.alloc(need)
-            req.table_idx = self.free_rows.pop()
             self.prefilling.append(req)
             admitted.append(req)
-            n = min(req.prompt_len, budget)
+            n = min(req.prompt_len - req.cached_len, budget)
             chunks.append((req, n))
             budget -= n
         if not chunks:
@@ -154,6 +183,8 @@ class Scheduler:
                 req.finish_reason = reason
                 self._release(req)
                 finished.append(req)
+        if self.debug_checks:
+            self.check_integrity()
         return finished
 
     def _finish_reason(self, req: Req, token: int) -> str | None:
@@ -174,9 +205,9 @@ class Scheduler:
         """Drop every unfinished request (an interrupted run); their resources come back."""
         dropped = list(self.waiting) + [r for r in self.prefilling + self.running if r.finish_reason is None]
         for req in dropped:
+            req.finish_reason = "abort"
             if req.table_idx >= 0:
                 self._release(req)
-            req.finish_reason = "abort"
         self.waiting.clear()
         self.prefilling, self.running = [], []
         self.draining = False
@@ -185,7 +216,40 @@ class Scheduler:
     def _release(self, req: Req) -> None:
         # Pages and the row go back at once: any step still in flight that reads them runs before
         # whatever the next admission writes, because all device work is ordered on one stream.
-        self.allocator.free(req.pages)
+        if self.cache is None:
+            self.allocator.free(req.pages)
+        else:
+            # The tree takes the whole pages whose KV is complete (prompt and output but the last token);
+            # pages duplicating cached ones and the unused tail go back. The request is done, so no
+            # page table that is still read points at them.
+            tokens = req.prompt_ids + req.output_ids
+            valid = min(req.cached_len, req.prompt_len + max(len(req.output_ids) - 1, 0))
+            full = min(valid // self.page_size, len(req.pages))
+            duplicates = self.cache.insert(tokens[: full * self.page_size], req.pages[:full])
+            self.allocator.free(duplicates + req.pages[full:])
+            self.cache.unlock(req.cache_node)
         self.free_rows.append(req.table_idx)
-        req.pages = []
+        req.pages, req.prefix_pages, req.cache_node = [], 0, None
         req.table_idx = -1
+
+    def check_integrity(self) -> None:
+        """Every page has exactly one owner (free list, tree, or one admitted request's private pages),
+        the evictable count matches, and admitted requests only point at pages they may read."""
+        free = self.allocator._free
+        owners = list(free)
+        held_tree: set[int] = set()
+        tree_pages: list[int] = []
+        if self.cache is not None:
+            nodes = self.cache.nodes()
+            tree_pages = [p for n in nodes for p in n.pages]
+            evictable = sum(len(n.pages) for n in nodes if n.ref == 0)
+            assert evictable == self.cache.evictable_pages, (evictable, self.cache.evictable_pages)
+            held_tree = {p for n in nodes if n.ref > 0 for p in n.pages}
+        owners += tree_pages
+        live = [r for r in self.prefilling + self.running if r.finish_reason is None and r.table_idx >= 0]
+        for req in live:
+            shared, private = req.pages[: req.prefix_pages], req.pages[req.prefix_pages :]
+            assert set(shared) <= held_tree, f"request {req.uid} reads unlocked or evicted pages"
+            owners += private
+        assert len(owners) == len(set(owners)), "a page has two owners"
+        assert set(owners) == set(range(1, self.allocator.num_pages)), "pages leaked or invented"

@@ -1,0 +1,148 @@
+"""Prefix reuse: a radix tree over token ids whose nodes own KV pages (page-aligned).
+
+Each node holds a run of whole pages: its token ids (a multiple of page_size)
+and the pages that hold their KV. A running request locks the path it matched
+(reference counts up to the root); unreferenced leaves are evicted least
+recently used first when the allocator runs short. Pages move between three
+disjoint owners: the allocator (free), the tree, and running requests
+(private pages not yet in the tree); ``check`` verifies that.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from runtime.kv_cache import PageAllocator
+
+_clock = itertools.count()
+
+
+@dataclass(eq=False)
+class Node:
+    tokens: tuple[int, ...] = ()
+    pages: list[int] = field(default_factory=list)
+    parent: Node | None = None
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    ref: int = 0
+    last_used: int = 0
+
+
+class RadixCache:
+    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+        self.allocator = allocator
+        self.page_size = page_size
+        self.root = Node()
+        self.root.ref = 1  # never evicted
+        self.evictable_pages = 0  # pages in nodes nobody holds
+        self.tree_pages = 0
+
+    # ---- lookup -------------------------------------------------------------------------------------
+    def _chunk(self, tokens: tuple[int, ...] | list[int], i: int) -> tuple[int, ...]:
+        return tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
+
+    def match(self, tokens: list[int]) -> tuple[list[int], Node]:
+        """Pages of the longest cached page-aligned prefix of ``tokens``, and the node where it ends."""
+        node, pages, i = self.root, [], 0
+        n_chunks = len(tokens) // self.page_size
+        stamp = next(_clock)
+        while i < n_chunks:
+            child = node.children.get(self._chunk(tokens, i))
+            if child is None:
+                break
+            k = 0  # whole pages of the child that match
+            child_chunks = len(child.pages)
+            while k < child_chunks and i + k < n_chunks and self._chunk(child.tokens, k) == self._chunk(tokens, i + k):
+                k += 1
+            if k < child_chunks:
+                child = self._split(child, k)
+            child.last_used = stamp
+            pages.extend(child.pages)
+            node, i = child, i + k
+        return pages, node
+
+    def _split(self, node: Node, k: int) -> Node:
+        """Cut ``node`` after its first ``k`` pages; returns the new upper part."""
+        p = self.page_size
+        upper = Node(node.tokens[: k * p], node.pages[:k], node.parent, {}, node.ref, node.last_used)
+        node.parent.children[self._chunk(node.tokens, 0)] = upper
+        node.tokens, node.pages, node.parent = node.tokens[k * p :], node.pages[k:], upper
+        upper.children[self._chunk(node.tokens, 0)] = node
+        return upper
+
+    # ---- references ---------------------------------------------------------------------------------
+    def lock(self, node: Node) -> None:
+        while node is not None:
+            if node.ref == 0:
+                self.evictable_pages -= len(node.pages)
+            node.ref += 1
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        while node is not None:
+            node.ref -= 1
+            if node.ref == 0:
+                self.evictable_pages += len(node.pages)
+            node = node.parent
+
+    # ---- insertion and eviction ---------------------------------------------------------------------
+    def insert(self, tokens: list[int], pages: list[int]) -> list[int]:
+        """Add a page-aligned sequence whose KV sits in ``pages``; returns the caller's pages that
+        turned out to duplicate cached ones (same tokens, other pages), which the caller frees."""
+        assert len(tokens) == len(pages) * self.page_size
+        node, i, duplicates = self.root, 0, []
+        stamp = next(_clock)
+        while i < len(pages):
+            child = node.children.get(self._chunk(tokens, i))
+            if child is None:
+                new = Node(tuple(tokens[i * self.page_size :]), list(pages[i:]), node, {}, 0, stamp)
+                node.children[self._chunk(tokens, i)] = new
+                self.tree_pages += len(new.pages)
+                self.evictable_pages += len(new.pages)
+                return duplicates
+            k = 0
+            while k < len(child.pages) and i + k < len(pages) and \
+                    self._chunk(child.tokens, k) == self._chunk(tokens, i + k):
+                k += 1
+            if k < len(child.pages):
+                child = self._split(child, k)
+            duplicates.extend(p for p, q in zip(pages[i : i + k], child.pages) if p != q)
+            child.last_used = stamp
+            node, i = child, i + k
+        return duplicates
+
+    def evict(self, n_pages: int) -> int:
+        """Free at least ``n_pages`` pages from unreferenced leaves, least recently used first."""
+        heap = [(n.last_used, id(n), n) for n in self._leaves() if n.ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and freed < n_pages:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            del parent.children[self._chunk(leaf.tokens, 0)]
+            self.allocator.free(leaf.pages)
+            freed += len(leaf.pages)
+            self.tree_pages -= len(leaf.pages)
+            self.evictable_pages -= len(leaf.pages)
+            if parent is not self.root and not parent.children and parent.ref == 0:
+                heapq.heappush(heap, (parent.last_used, id(parent), parent))
+        return freed
+
+    def _leaves(self) -> list[Node]:
+        stack, leaves = [self.root], []
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            elif node is not self.root:
+                leaves.append(node)
+        return leaves
+
+    def nodes(self) -> list[Node]:
+        stack, out = [self.root], []
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
