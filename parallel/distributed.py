@@ -38,8 +38,8 @@ def init_distributed(use_cuda: bool, timeout_s: int, env: TorchrunEnv | None = N
     """Join the job: NCCL device group on CUDA (device = LOCAL_RANK), gloo otherwise, plus a gloo CPU group."""
     env = env or read_torchrun_env()
     info = TPInfo(rank=env.rank, size=env.world_size, local_rank=env.local_rank)
-    if env.world_size == 1:
-        set_tp(info)
+    if env.world_size == 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
+        set_tp(info)  # plain `python launch.py`: no process groups at all
         return info
     if use_cuda:
         if env.local_rank >= torch.cuda.device_count():

@@ -102,6 +102,10 @@ class BenchSection:
     peers: list[str] = field(default_factory=lambda: ["hf_continuous", "hf_static"])  # run on the fixed variant
     peer_requests: int = 256  # requests given to the (slow) HF peers
     ablations: list[str] = field(default_factory=lambda: ["no_graphs", "no_overlap"])
+    # Shared-prefix workload (ablation "shared_prefix": radix against naive cache).
+    shared_prefix_len: int = 1000
+    distinct_len: list[int] = field(default_factory=lambda: [50, 200])
+    shared_output_len: int = 128
 
 
 @dataclass

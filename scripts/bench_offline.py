@@ -49,7 +49,19 @@ class StepLog:
         self.decode.append(batch.is_decode)
 
 
-def workload(cfg: RuntimeConfig, fixed: bool, n: int | None = None) -> tuple[list[list[int]], list[int]]:
+def shared_prefix_workload(cfg: RuntimeConfig) -> tuple[list[list[int]], list[int]]:
+    """Every request: one shared prefix, then its own distinct tokens."""
+    b = cfg.bench
+    rng = np.random.default_rng(b.seed + 1)
+    prefix = rng.integers(0, b.token_id_limit, b.shared_prefix_len).tolist()
+    tails = rng.integers(b.distinct_len[0], b.distinct_len[1] + 1, b.num_requests)
+    prompts = [prefix + rng.integers(0, b.token_id_limit, int(k)).tolist() for k in tails]
+    return prompts, [b.shared_output_len] * b.num_requests
+
+
+def workload(cfg: RuntimeConfig, fixed: bool | str, n: int | None = None) -> tuple[list[list[int]], list[int]]:
+    if fixed == "shared":
+        return shared_prefix_workload(cfg)
     b = cfg.bench
     rng = np.random.default_rng(b.seed)
     count = b.num_requests
@@ -131,16 +143,19 @@ class StepTimer:
         return {"decode_idle_share": idle / max(busy + idle, 1e-9), "decode_busy_ms": busy, "decode_idle_ms": idle}
 
 
-def run_tpinfer(cfg: RuntimeConfig, fixed: bool, limits: dict[str, float] | None) -> dict:
+def run_tpinfer(cfg: RuntimeConfig, fixed: bool | str, limits: dict[str, float] | None) -> dict:
     from runtime import LLM, SamplingParams
 
     llm = LLM(config=cfg)
     prompts, outs = workload(cfg, fixed)
     params = [SamplingParams(temperature=cfg.bench.temperature, max_new_tokens=n, ignore_eos=True) for n in outs]
     # Warm-up on a few requests: kernel loads and allocator growth are not part of the measurement.
-    llm.generate(prompts[:8], [SamplingParams(temperature=cfg.bench.temperature, max_new_tokens=16, ignore_eos=True)] * 8)
+    # Shifted ids: the warm-up must not seed the prefix cache with the measured prompts.
+    warm = [[(t + 1) % cfg.bench.token_id_limit for t in p] for p in prompts[:8]]
+    llm.generate(warm, [SamplingParams(temperature=cfg.bench.temperature, max_new_tokens=16, ignore_eos=True)] * 8)
     log = StepLog()
     timer = StepTimer(llm.engine) if llm.engine.stream is not None else None
+    warm_prefill, warm_cached = llm.scheduler.stats.prefill_tokens, llm.scheduler.stats.cached_tokens
     torch.cuda.synchronize()
     start = time.perf_counter()
     results = llm.run([(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))], on_batch=log)
@@ -148,7 +163,10 @@ def run_tpinfer(cfg: RuntimeConfig, fixed: bool, limits: dict[str, float] | None
     seconds = time.perf_counter() - start
     assert all(r.error is None and r.completion_tokens == n for r, n in zip(results, outs)), "benchmark requests failed"
     generated = sum(outs)
+    stats = llm.scheduler.stats
     row = {
+        "prefill_tokens_computed": stats.prefill_tokens - warm_prefill, "cached_tokens": stats.cached_tokens - warm_cached,
+        "cache": cfg.cache.type,
         "seconds": seconds, "output_tokens": generated, "output_tok_s": generated / seconds,
         "total_tok_s": (generated + sum(map(len, prompts))) / seconds,
         "steps": len(log.tokens), "decode_steps": int(sum(log.decode)), "kv_pages": llm.engine.num_pages,
@@ -250,6 +268,8 @@ RUNS = {
     "tpinfer_no_graphs": ({"engine__cuda_graph_max_bs": 0}, False),
     "tpinfer_no_overlap": ({"scheduler__overlap": False}, False),
     "tpinfer_fixed": ({}, True),
+    "shared_prefix_radix": ({"cache__type": "radix"}, "shared"),
+    "shared_prefix_naive": ({"cache__type": "naive"}, "shared"),
 }
 
 
@@ -306,6 +326,7 @@ def main() -> int:
     plan = ["tpinfer"]
     plan += [f"tpinfer_{a}" for a in base.bench.ablations if f"tpinfer_{a}" in RUNS]
     plan += ["batch1_decode"] if "batch1" in base.bench.ablations else []
+    plan += ["shared_prefix_radix", "shared_prefix_naive"] if "shared_prefix" in base.bench.ablations else []
     plan += ["tpinfer_fixed", *base.bench.peers] if base.bench.peers else []
     for run in plan:
         results["runs"][run] = measure(run, limits)
