@@ -26,8 +26,8 @@ class Req:
     run_seed: int = 0  # engine.seed: unseeded requests draw from (run_seed, uid)
     table_idx: int = -1  # row of the page table and token pool while admitted
     pages: list[int] = field(default_factory=list)
-    prefix_pages: int = 0  # leading pages shared from the radix cache (locked, owned by the tree)
-    cache_node: Any = None  # radix node where the matched prefix ends (unlocked when done)
+    own_pages: list[int] = field(default_factory=list)  # pages this request must give back (not the tree's)
+    cache_node: Any = None  # radix node this request keeps locked (its cached prefix ends there)
     cached_len: int = 0  # tokens whose KV is written (as of the last launched step)
     device_len: int = 0  # tokens the device token pool holds (prompt + launched samples)
     output_ids: list[int] = field(default_factory=list)  # tokens received on the host

@@ -73,7 +73,11 @@ class Scheduler:
 
     # ---- one decision -----------------------------------------------------------------------------------
     def schedule(self) -> Batch | None:
-        self.running.extend(r for r in self.prefilling if r.prefill_done)
+        for req in self.prefilling:
+            if req.prefill_done:
+                self.running.append(req)
+                if self.cache is not None:
+                    self._cache_prompt(req)
         self.prefilling = [r for r in self.prefilling if not r.prefill_done]
         self.running = [r for r in self.running if r.finish_reason is None]
         batch = self._schedule_prefill() or self._schedule_decode()
@@ -97,8 +101,8 @@ class Scheduler:
             if node is not None:
                 self.cache.unlock(node)
             return False
-        req.pages = matched + self.allocator.alloc(need - len(matched))
-        req.prefix_pages, req.cache_node = len(matched), node
+        own = self.allocator.alloc(need - len(matched))
+        req.pages, req.own_pages, req.cache_node = matched + own, own, node
         req.cached_len = len(matched) * self.page_size
         req.table_idx = self.free_rows.pop()
         self.stats.cached_tokens += req.cached_len
@@ -213,23 +217,40 @@ class Scheduler:
         self.draining = False
         return dropped
 
+    def _give_to_tree(self, req: Req, tokens: list[int]) -> None:
+        """Insert the whole pages of ``tokens`` (KV complete, in stream order) and lock where they end.
+
+        Pages the tree already held under the same tokens are left alone. When another request cached
+        the same tokens first, in other pages, this request's copies stay its own: its page table still
+        points at them, so they are freed only when it finishes, never while it runs.
+        """
+        full = min(len(tokens) // self.page_size, len(req.pages))
+        tokens = tokens[: full * self.page_size]
+        duplicates = set(self.cache.insert(tokens, req.pages[:full]))
+        handed = set(req.pages[:full]) - duplicates
+        req.own_pages = [p for p in req.own_pages if p not in handed]
+        _, node = self.cache.match(tokens)
+        self.cache.lock(node)  # lock the longer path before releasing the shorter one
+        self.cache.unlock(req.cache_node)
+        req.cache_node = node
+
+    def _cache_prompt(self, req: Req) -> None:
+        # Prompt KV is written once its last chunk has been launched: later requests can share it now.
+        self._give_to_tree(req, req.prompt_ids)
+
     def _release(self, req: Req) -> None:
         # Pages and the row go back at once: any step still in flight that reads them runs before
         # whatever the next admission writes, because all device work is ordered on one stream.
         if self.cache is None:
             self.allocator.free(req.pages)
         else:
-            # The tree takes the whole pages whose KV is complete (prompt and output but the last token);
-            # pages duplicating cached ones and the unused tail go back. The request is done, so no
-            # page table that is still read points at them.
-            tokens = req.prompt_ids + req.output_ids
+            # KV is complete for every token but the last sampled one (or up to the launched prefill).
             valid = min(req.cached_len, req.prompt_len + max(len(req.output_ids) - 1, 0))
-            full = min(valid // self.page_size, len(req.pages))
-            duplicates = self.cache.insert(tokens[: full * self.page_size], req.pages[:full])
-            self.allocator.free(duplicates + req.pages[full:])
+            self._give_to_tree(req, (req.prompt_ids + req.output_ids)[:valid])
+            self.allocator.free(req.own_pages)
             self.cache.unlock(req.cache_node)
         self.free_rows.append(req.table_idx)
-        req.pages, req.prefix_pages, req.cache_node = [], 0, None
+        req.pages, req.own_pages, req.cache_node = [], [], None
         req.table_idx = -1
 
     def check_integrity(self) -> None:
@@ -248,8 +269,8 @@ class Scheduler:
         owners += tree_pages
         live = [r for r in self.prefilling + self.running if r.finish_reason is None and r.table_idx >= 0]
         for req in live:
-            shared, private = req.pages[: req.prefix_pages], req.pages[req.prefix_pages :]
-            assert set(shared) <= held_tree, f"request {req.uid} reads unlocked or evicted pages"
-            owners += private
+            shared = set(req.pages) - set(req.own_pages) if self.cache is not None else set()
+            assert shared <= held_tree, f"request {req.uid} reads unlocked or evicted pages"
+            owners += req.own_pages if self.cache is not None else req.pages
         assert len(owners) == len(set(owners)), "a page has two owners"
         assert set(owners) == set(range(1, self.allocator.num_pages)), "pages leaked or invented"
