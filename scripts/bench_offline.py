@@ -299,6 +299,7 @@ def main() -> int:
     parser.add_argument("--config", action="append", required=True)
     parser.add_argument("--out", default="benchmarks")
     parser.add_argument("--name", default=None, help="results file stem (default: the config's stem)")
+    parser.add_argument("--runs", default=None, help="comma-separated subset of runs (default: from bench config)")
     parser.add_argument("--run", default=None, help=argparse.SUPPRESS)  # internal: one measurement
     parser.add_argument("--limits", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*")
@@ -328,6 +329,8 @@ def main() -> int:
     plan += ["batch1_decode"] if "batch1" in base.bench.ablations else []
     plan += ["shared_prefix_radix", "shared_prefix_naive"] if "shared_prefix" in base.bench.ablations else []
     plan += ["tpinfer_fixed", *base.bench.peers] if base.bench.peers else []
+    if args.runs:
+        plan = args.runs.split(",")
     for run in plan:
         results["runs"][run] = measure(run, limits)
         print(run, json.dumps(results["runs"][run]), flush=True)
