@@ -24,6 +24,7 @@ class Req:
     sampling: SamplingParams
     max_new_tokens: int  # after clamping to the maximum sequence length
     run_seed: int = 0  # engine.seed: unseeded requests draw from (run_seed, uid)
+    index: int = -1  # position in the caller's input list (results come back in input order)
     table_idx: int = -1  # row of the page table and token pool while admitted
     pages: list[int] = field(default_factory=list)
     own_pages: list[int] = field(default_factory=list)  # pages this request must give back (not the tree's)

@@ -83,10 +83,10 @@ class Engine:
             model_dir, model_config, self.device, self.dtype, self.max_seq_len + 1,
             random_seed=cfg.engine.seed if cfg.model.random_weights else None,
         )
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         log.info(
             "rank %d: weights loaded (%.2f GiB on this rank), peak host memory so far %.2f GiB",
-            get_tp().rank, sum(p.numel() * p.element_size() for p in self.model.parameters()) / 2**30,
-            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            get_tp().rank, self.weight_bytes / 2**30, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         )
         self.num_pages = self._determine_num_pages(free_before)
         heads = self.model.model.layers[0].self_attn
@@ -127,16 +127,14 @@ class Engine:
             torch.cuda.synchronize(self.device)
 
     # ---- memory ---------------------------------------------------------------------------------------
-    def _free_memory(self) -> int:
+    def _free_memory(self, placed_bytes: int = 0) -> int:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             return torch.cuda.mem_get_info(self.device)[0]
-        # On CPU a configured budget stands in for free device memory, less what this process has placed.
-        return self.cfg.cache.cpu_memory_bytes - getattr(self, "_cpu_used", 0)
+        # On CPU a configured budget stands in for free device memory, less what this engine has placed.
+        return self.cfg.cache.cpu_memory_bytes - placed_bytes
 
     def _determine_num_pages(self, free_before_local: int) -> int:
-        if self.device.type == "cpu":
-            self._cpu_used = sum(p.numel() * p.element_size() for p in self.model.parameters())
         min_before, max_before = agree_on_memory(free_before_local)
         margin = self.cfg.parallel.memory_imbalance_bytes
         if max_before - min_before > margin:
@@ -145,7 +143,7 @@ class Engine:
                 f"(min {min_before / 2**30:.2f}, max {max_before / 2**30:.2f}), more than "
                 f"parallel.memory_imbalance_bytes={margin}; is another job using some of the GPUs?"
             )
-        min_after, _ = agree_on_memory(self._free_memory())
+        min_after, _ = agree_on_memory(self._free_memory(self.weight_bytes))
         model_bytes = min_before - min_after
         local_heads = self.model.model.layers[0].self_attn.num_kv_heads
         per_page = page_bytes(self.model_config.num_layers, local_heads, self.model_config.head_dim, self.page_size, self.dtype)

@@ -128,7 +128,7 @@ class LLM:
             keys[position] = key
             try:
                 req = self.make_request(prompt, params)
-                req.index = position  # type: ignore[attr-defined]
+                req.index = position
                 self.scheduler.add(req)
             except ValueError as exc:
                 outputs[position] = RequestOutput(index=position, error=str(exc))
@@ -140,7 +140,7 @@ class LLM:
             if text is None:
                 text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True) if self.tokenizer else ""
             out = RequestOutput(
-                index=req.index, text=text, token_ids=list(req.output_ids), finish_reason=req.finish_reason,  # type: ignore[attr-defined]
+                index=req.index, text=text, token_ids=list(req.output_ids), finish_reason=req.finish_reason,
                 prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids),
             )
             outputs[out.index] = out
