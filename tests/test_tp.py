@@ -151,3 +151,28 @@ def test_ranks_with_different_free_memory_agree_on_pages(tp_tiny_dir):
     per_page = page_bytes(mc.num_layers, mc.num_kv_heads // 2, mc.head_dim, 16, torch.float32)
     assert ranks[0]["num_pages"] == compute_num_pages(200 * 2**20, ranks[0]["shard_bytes"], 0.9, per_page)
     assert ranks[0]["shard_bytes"] < sum(p.numel() * 4 for p in make_engine(tp_tiny_dir).model.parameters()) * 0.6
+
+
+@pytest.mark.parametrize("heads,kv_heads,tp,named", [(8, 4, 3, "num_attention_heads=8"), (12, 4, 6, "num_key_value_heads=4"),
+                                                    (8, 2, 4, None)])
+def test_indivisible_head_splits_fail_at_start_naming_the_numbers(heads, kv_heads, tp, named):
+    from models.config import ModelConfig
+    from models.llama import LlamaForCausalLM
+    from parallel.state import TPInfo, set_tp
+
+    cfg = ModelConfig(vocab_size=100, hidden_size=heads * 8, intermediate_size=tp * 16, num_layers=1, num_heads=heads,
+                      num_kv_heads=kv_heads, head_dim=8, rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling=None,
+                      max_position_embeddings=64, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+                      torch_dtype="float32")
+    set_tp(TPInfo(rank=tp - 1, size=tp))
+    try:
+        with torch.device("meta"):
+            if named is None:  # fewer KV heads than ranks, TP a multiple of them: KV heads replicate
+                attn = LlamaForCausalLM(cfg).model.layers[0].self_attn
+                assert (attn.num_heads, attn.num_kv_heads, attn.qkv_proj.kv_head_start) == (2, 1, 1)
+            else:
+                with pytest.raises(ValueError, match=named) as err:
+                    LlamaForCausalLM(cfg)
+                assert f"size {tp}" in str(err.value)
+    finally:
+        set_tp(TPInfo())
