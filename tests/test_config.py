@@ -325,3 +325,16 @@ def test_launch_fast_paths_import_no_model_code():
     rc1, rc2, heavy = line.split(" ", 3)[1:]
     assert rc1 == "0" and rc2 != "0"
     assert heavy == "[]"
+
+
+def test_interpolation_and_environment_in_presets(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.setenv("TPINFER_MODEL_DIR", str(tmp_path))
+    cfg = load_config([repo / "configs" / "local_model.yaml"])
+    assert cfg.model.path == str(tmp_path)
+    layer = tmp_path / "extra.yaml"
+    layer.write_text("scheduler:\n  max_prefill_tokens: ${model.max_seq_len}\n")
+    cfg = load_config([repo / "configs" / "local_model.yaml", layer], ["model.max_seq_len=2048"])
+    assert cfg.scheduler.max_prefill_tokens == 2048
