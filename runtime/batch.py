@@ -33,7 +33,7 @@ class Req:
     device_len: int = 0  # tokens the device token pool holds (prompt + launched samples)
     output_ids: list[int] = field(default_factory=list)  # tokens received on the host
     finish_reason: str | None = None
-    text: str = ""
+    text: str | None = None  # set when a stop string cut the text; otherwise decoded at the end
     detok: Any = None  # incremental detokenizer, only for requests with stop strings
     sampling_row: tuple = ()  # (temperature, top_k, top_p, seed, seeded), fixed for the request's life
 

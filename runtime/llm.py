@@ -121,10 +121,7 @@ class LLM:
         """Serve (key, prompt, params) items; ``on_result(key, output)`` fires as each one completes."""
         outputs: dict[int, RequestOutput] = {}
         keys: dict[int, Any] = {}
-        order: list[int] = []
-        for key, prompt, params in items:
-            position = len(order)
-            order.append(position)
+        for position, (key, prompt, params) in enumerate(items):
             keys[position] = key
             try:
                 req = self.make_request(prompt, params)
@@ -136,7 +133,7 @@ class LLM:
                     on_result(key, outputs[position])
 
         def finish(req: Req) -> None:
-            text = req.text if req.detok is not None and req.finish_reason == "stop" and req.text else None
+            text = req.text
             if text is None:
                 text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True) if self.tokenizer else ""
             out = RequestOutput(
@@ -162,7 +159,7 @@ class LLM:
         )
         self.interrupted = not completed
         elapsed = time.perf_counter() - start
-        done = [outputs.get(i) or RequestOutput(index=i, error="interrupted before it finished") for i in order]
+        done = [outputs.get(i) or RequestOutput(index=i, error="interrupted before it finished") for i in keys]
         generated = sum(o.completion_tokens for o in done)
         self.last_stats = {"seconds": elapsed, "output_tokens": generated, "tokens_per_s": generated / max(elapsed, 1e-9)}
         return done

@@ -119,6 +119,10 @@ def test_stop_strings_and_stop_tokens(default_model_dir):
     )[0]
     assert stopped.finish_reason == "stop"
     assert stopped.text == free.text[: free.text.index("France")]
+    at_start = llm.generate(
+        [chat("What is the capital of France?")], SamplingParams(temperature=0, max_new_tokens=20, stop=[free.text[:3]])
+    )[0]
+    assert at_start.text == "" and at_start.finish_reason == "stop"
     first = free.token_ids[2]
     by_id = llm.generate(
         [chat("What is the capital of France?")],
