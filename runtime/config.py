@@ -162,12 +162,13 @@ def _explain(exc: OmegaConfBaseException, schema: DictConfig, source: str) -> Co
 
 
 def _validate(cfg: RuntimeConfig) -> None:
+    node = OmegaConf.structured(cfg)
     for key, allowed in _CHOICES.items():
-        value = OmegaConf.select(OmegaConf.structured(cfg), key)
+        value = OmegaConf.select(node, key)
         if value not in allowed:
             raise ConfigError(f"config key '{key}'={value!r} must be one of {list(allowed)}")
     for key in _POSITIVE:
-        value = OmegaConf.select(OmegaConf.structured(cfg), key)
+        value = OmegaConf.select(node, key)
         if value <= 0:
             raise ConfigError(f"config key '{key}'={value} must be > 0")
     if not 0.0 < cfg.cache.memory_ratio <= 1.0:

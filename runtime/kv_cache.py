@@ -59,6 +59,11 @@ class PageAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def free_pages(self) -> list[int]:
+        """A copy of the free list (integrity checks)."""
+        return list(self._free)
+
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):
             raise RuntimeError(f"page allocator asked for {n} pages with {len(self._free)} free")

@@ -256,8 +256,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Every page has exactly one owner (free list, tree, or one admitted request's private pages),
         the evictable count matches, and admitted requests only point at pages they may read."""
-        free = self.allocator._free
-        owners = list(free)
+        owners = self.allocator.free_pages
         held_tree: set[int] = set()
         tree_pages: list[int] = []
         if self.cache is not None:
