@@ -10,12 +10,19 @@ Rank 0 runs the scheduler and the job; every other rank runs the worker loop.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import resource
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from runtime.config import ConfigError, RuntimeConfig, load_config, to_yaml
+
+if TYPE_CHECKING:
+    from runtime.llm import LLM
+    from runtime.signals import Drain
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
 log = logging.getLogger("tpinfer")
@@ -31,46 +38,56 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def run_rank0(cfg: RuntimeConfig) -> int:
     from runtime.llm import LLM
-    from runtime.signals import EXIT_PREEMPTED, Drain, install_drain_handlers
+    from runtime.signals import Drain, install_drain_handlers, restore_default_signals
 
     drain = Drain()
     install_drain_handlers(drain)  # before the (long) model load: a signal then still drains cleanly
-    llm = LLM(config=cfg)
-    llm.drain = drain
     try:
-        if cfg.job.input:
-            from runtime.job import run_job
-
-            m = run_job(llm, to_yaml(cfg))
-            print(f"{m['completed']} rows done, {m['errors']} errors, {m['already_done']} done before -> "
-                  f"{cfg.job.output}; {m['output_tokens']} tokens at {m['output_tokens_per_s']:.1f} tokens/s")
-            if llm.interrupted or drain.requested:
-                print(f"interrupted by signal: finished rows are on disk; rerun to complete (exit {EXIT_PREEMPTED})",
-                      file=sys.stderr)
-                return EXIT_PREEMPTED
-            return 0
-        prompts = [[{"role": "user", "content": p}] if cfg.job.chat_template else p for p in cfg.job.prompts]
-        outputs = llm.generate(prompts)
-        for prompt, out in zip(cfg.job.prompts, outputs):
-            print(f"### {prompt}\n{out.error if out.error else out.text}\n")
-        stats = llm.last_stats
-        print(f"{stats['output_tokens']} tokens in {stats['seconds']:.2f} s: {stats['tokens_per_s']:.1f} tokens/s "
-              f"({llm.engine.device.type}, tp={llm.engine.tp_size}, {len(outputs)} requests)")
-        return 0
+        llm = LLM(config=cfg)
+        llm.drain = drain
+        try:
+            return serve(cfg, llm, drain)
+        except BaseException:
+            with contextlib.suppress(Exception):  # a dead peer must not mask the first error
+                llm.shutdown()
+            raise
+        finally:
+            llm.shutdown()
     finally:
-        llm.shutdown()
+        restore_default_signals()  # after the job a SIGTERM ends the process as usual
+
+
+def serve(cfg: RuntimeConfig, llm: LLM, drain: Drain) -> int:
+    """The job (JSONL in, JSONL out) or the configured prompts; returns the exit code."""
+    from runtime.signals import EXIT_PREEMPTED
+
+    if cfg.job.input:
+        from runtime.job import run_job
+
+        m = run_job(llm, to_yaml(cfg))
+        print(f"{m['completed']} rows done, {m['errors']} errors, {m['already_done']} done before -> "
+              f"{cfg.job.output}; {m['output_tokens']} tokens at {m['output_tokens_per_s']:.1f} tokens/s")
+        if llm.interrupted or drain.requested:
+            print(f"interrupted by signal: finished rows are on disk; rerun to complete (exit {EXIT_PREEMPTED})",
+                  file=sys.stderr)
+            return EXIT_PREEMPTED
+        return 0
+    prompts = [[{"role": "user", "content": p}] if cfg.job.chat_template else p for p in cfg.job.prompts]
+    outputs = llm.generate(prompts)
+    for prompt, out in zip(cfg.job.prompts, outputs):
+        print(f"### {prompt}\n{out.error if out.error else out.text}\n")
+    stats = llm.last_stats
+    print(f"{stats['output_tokens']} tokens in {stats['seconds']:.2f} s: {stats['tokens_per_s']:.1f} tokens/s "
+          f"({llm.engine.device.type}, tp={llm.engine.tp_size}, {len(outputs)} requests)")
+    return 0
 
 
 def run_worker(cfg: RuntimeConfig) -> int:
-    from models.config import ModelConfig
-    from models.default_model import resolve_model_path
-    from runtime.engine import Engine
     from runtime.signals import ignore_drain_signals
-    from runtime.worker import worker_loop
+    from runtime.worker import run_worker as follow_rank0
 
     ignore_drain_signals()  # rank 0 decides when to stop; a worker leaving early would stall everyone
-    model_dir = resolve_model_path(cfg.model.path)
-    worker_loop(Engine(cfg, model_dir, ModelConfig.from_dir(model_dir)))
+    follow_rank0(cfg)
     return 0
 
 
@@ -111,10 +128,23 @@ def main(argv: list[str] | None = None) -> int:
         code = run_rank0(cfg) if tp.rank == 0 else run_worker(cfg)
         report_peak_memory(tp.rank)
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as exc:
-        print(f"error on rank {rank}: {exc}", file=sys.stderr)
+        print(f"error on rank {rank}: {exc}", file=sys.stderr, flush=True)
+        if read_torchrun_env().world_size > 1:
+            # Peers may be dead or stuck in a collective that never completes, and a graceful
+            # teardown (NCCL communicator destroy) would wait for them: finished rows are already
+            # on disk, so leave now and let torchrun end the other ranks.
+            exit_now(1)
         return 1
+    # Every engine released its CUDA graphs on the way out, so destroying the groups cannot block.
     shutdown_distributed()
     return code
+
+
+def exit_now(code: int) -> None:
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

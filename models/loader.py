@@ -7,6 +7,7 @@ slice this rank owns (safetensors slices are memory-mapped reads).
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 import torch
@@ -14,7 +15,7 @@ from safetensors import safe_open
 from torch import nn
 
 from models.config import ModelConfig
-from models.layers import load_replicated
+from models.layers import FullTensor, load_replicated
 from models.llama import LlamaForCausalLM
 
 
@@ -86,20 +87,60 @@ def _target_param(ckpt_name: str, model: LlamaForCausalLM) -> tuple[str, object]
     return ckpt_name, None
 
 
-def randomize(model: nn.Module, seed: int) -> None:
-    """Benchmark weights drawn on the device: N(0, 0.02) matrices, unit norms (this rank's shard)."""
-    from parallel import get_tp
+def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name and full shape of every tensor of an HF-format Llama checkpoint of this config."""
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        layer = f"model.layers.{i}."
+        projections = {
+            "self_attn.q_proj": (cfg.num_heads * d, h, cfg.attention_bias),
+            "self_attn.k_proj": (cfg.num_kv_heads * d, h, cfg.attention_bias),
+            "self_attn.v_proj": (cfg.num_kv_heads * d, h, cfg.attention_bias),
+            "self_attn.o_proj": (h, cfg.num_heads * d, cfg.attention_bias),
+            "mlp.gate_proj": (inter, h, cfg.mlp_bias),
+            "mlp.up_proj": (inter, h, cfg.mlp_bias),
+            "mlp.down_proj": (h, inter, cfg.mlp_bias),
+        }
+        for name, (rows, cols, bias) in projections.items():
+            shapes[f"{layer}{name}.weight"] = (rows, cols)
+            if bias:
+                shapes[f"{layer}{name}.bias"] = (rows,)
+        shapes[f"{layer}input_layernorm.weight"] = (h,)
+        shapes[f"{layer}post_attention_layernorm.weight"] = (h,)
+    return shapes
 
-    gen = torch.Generator(device=next(model.parameters()).device)
+
+def random_checkpoint_tensor(name: str, shape: tuple[int, ...], seed: int, device: torch.device,
+                             dtype: torch.dtype) -> torch.Tensor:
+    """One benchmark weight, a pure function of (seed, name, shape): N(0, 0.02) matrices, unit norms, zero biases.
+
+    Every rank draws the FULL tensor and keeps its slice, so any TP size builds the same model.
+    """
+    if "norm" in name:
+        return torch.ones(shape, device=device, dtype=dtype)
+    if name.endswith("bias"):
+        return torch.zeros(shape, device=device, dtype=dtype)
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    return torch.empty(shape, device=device, dtype=dtype).normal_(0.0, 0.02, generator=gen)
+
+
+def randomize(model: LlamaForCausalLM, seed: int) -> None:
+    """Benchmark weights drawn on the device, one full checkpoint tensor at a time, through the loaders."""
+    param = next(model.parameters())
+    params = dict(model.named_parameters())
     with torch.no_grad():
-        for index, (name, param) in enumerate(model.named_parameters()):
-            gen.manual_seed(seed * 1_000_003 + index * 101 + get_tp().rank)
-            if "norm" in name:
-                param.fill_(1.0)
-            elif name.endswith("bias"):
-                param.zero_()
-            else:
-                param.normal_(0.0, 0.02, generator=gen)
+        for name, shape in checkpoint_shapes(model.config).items():
+            target = _target_param(name, model)
+            if target is None:
+                continue
+            param_name, shard_id = target
+            full = random_checkpoint_tensor(name, shape, seed, param.device, param.dtype)
+            params[param_name].weight_loader(params[param_name], FullTensor(full), shard_id)
+            del full
 
 
 def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:

@@ -6,6 +6,7 @@ The device group (NCCL on CUDA, gloo on CPU) carries activations; the CPU group
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,11 +27,19 @@ class TPInfo:
 _tp = TPInfo()
 _device_group: dist.ProcessGroup | None = None
 _cpu_group: dist.ProcessGroup | None = None
+# A faster all-reduce for small messages (decode), set by the engine on CUDA: (fits, reduce in place).
+_custom_all_reduce: tuple[Callable[[torch.Tensor], bool], Callable[[torch.Tensor], torch.Tensor]] | None = None
 
 
 def set_tp(info: TPInfo, device_group: dist.ProcessGroup | None = None, cpu_group: dist.ProcessGroup | None = None) -> None:
-    global _tp, _device_group, _cpu_group
-    _tp, _device_group, _cpu_group = info, device_group, cpu_group
+    global _tp, _device_group, _cpu_group, _custom_all_reduce
+    _tp, _device_group, _cpu_group, _custom_all_reduce = info, device_group, cpu_group, None
+
+
+def set_custom_all_reduce(comm: object | None) -> None:
+    """Route all-reduces that ``comm.fits`` through ``comm(x)``; None: NCCL (or gloo) for all."""
+    global _custom_all_reduce
+    _custom_all_reduce = None if comm is None else (comm.fits, comm)  # type: ignore[attr-defined]
 
 
 def get_tp() -> TPInfo:
@@ -41,9 +50,15 @@ def get_cpu_group() -> dist.ProcessGroup | None:
     return _cpu_group
 
 
+def get_device_group() -> dist.ProcessGroup | None:
+    return _device_group
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over the TP ranks in place (row-parallel outputs, vocab-parallel embeddings)."""
     if _tp.size > 1:
+        if _custom_all_reduce is not None and _custom_all_reduce[0](x):
+            return _custom_all_reduce[1](x)
         dist.all_reduce(x, group=_device_group)
     return x
 
@@ -55,3 +70,15 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_tp.size)]
     dist.all_gather(parts, x.contiguous(), group=_device_group)
     return torch.cat(parts, dim=-1)
+
+
+def assert_same_on_all_ranks(x: torch.Tensor, what: str) -> None:
+    """Debug check: raise unless every rank holds the same ``x`` (syncs with the device)."""
+    if _tp.size == 1:
+        return
+    parts = [torch.empty_like(x) for _ in range(_tp.size)]
+    dist.all_gather(parts, x.contiguous(), group=_device_group)
+    for rank, part in enumerate(parts[1:], start=1):
+        if not torch.equal(part, parts[0]):
+            diff = (part != parts[0]).nonzero().flatten()[:8].tolist()
+            raise RuntimeError(f"{what} differ between rank 0 and rank {rank} at positions {diff}")

@@ -86,6 +86,9 @@ class JobSection:
 class ParallelSection:
     timeout_s: int = 300  # collective timeout
     memory_imbalance_bytes: int = 2 << 30  # refuse to start if ranks' free memory differs by more
+    # auto: symmetric-memory (CUDA IPC) all-reduce for decode-sized messages, NCCL for the rest | nccl | symm_mem
+    all_reduce: str = "auto"
+    check_tokens: bool = False  # debug: compare every rank's sampled tokens each step (one sync per step)
 
 
 @dataclass
@@ -136,6 +139,7 @@ _CHOICES = {
     "cache.type": ("radix", "naive"),
     "engine.attention_backend": ("auto", "torch", "flashinfer"),
     "engine.kernels": ("auto", "torch", "flashinfer"),
+    "parallel.all_reduce": ("auto", "nccl", "symm_mem"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
 _POSITIVE = ("model.max_seq_len", "cache.page_size", "scheduler.max_running_requests", "scheduler.max_prefill_tokens")

@@ -20,8 +20,9 @@ import torch
 from models import ops
 from models.config import ModelConfig
 from models.loader import load_model
+from parallel.custom_all_reduce import make_custom_all_reduce
 from parallel.distributed import agree_on_memory
-from parallel.state import get_tp
+from parallel.state import assert_same_on_all_ranks, get_cpu_group, get_device_group, get_tp, set_custom_all_reduce
 from runtime.attention import host_to_device
 from runtime.batch import Batch
 from runtime.config import RuntimeConfig
@@ -117,6 +118,14 @@ class Engine:
         self.ctx = ForwardContext(self.attn_backend, use_fi)
         set_ctx(self.ctx)
         self.sampler = Sampler(model_config.vocab_size, self.device, use_fi, cfg.engine.seed)
+        # Decode-sized all-reduces (up to the largest decode batch) skip NCCL; set before graph capture.
+        decode_tokens = max(min(cfg.engine.cuda_graph_max_bs or self.max_running, self.max_running), 1)
+        self.custom_all_reduce = make_custom_all_reduce(
+            cfg.parallel.all_reduce, get_device_group(), get_cpu_group(), self.tp_size, self.device, self.dtype,
+            decode_tokens * model_config.hidden_size * self.dtype.itemsize,
+        )
+        set_custom_all_reduce(self.custom_all_reduce)
+        self.check_tokens = cfg.parallel.check_tokens and self.tp_size > 1
         self.graph_runner = None
         if on_gpu and backend == "flashinfer" and cfg.engine.cuda_graph_max_bs > 0:
             from runtime.graph import GraphRunner
@@ -216,6 +225,8 @@ class Engine:
             for req, ext_len in zip(batch.reqs, batch.ext_lens.tolist()):
                 req.complete_one(ext_len)
             next_tokens = self.sampler.sample(logits[:n], args).to(torch.int32)
+            if self.check_tokens:
+                assert_same_on_all_ranks(next_tokens, "sampled tokens")
             # The sampled token becomes the next decode input (discarded rows write to the dummy row).
             self.token_pool[sample_rows[:n], kv_lens[:n]] = next_tokens
             if self.stream is None:
@@ -225,6 +236,22 @@ class Engine:
             event = torch.cuda.Event()
             event.record(self.stream)
         return ForwardOutput(next_tokens, next_cpu, event)
+
+    def close(self) -> None:
+        """Release the CUDA graphs and the custom all-reduce; call before destroying the process groups.
+
+        A graph that captured an NCCL collective holds a reference on NCCL's communicator, and
+        ``ncclCommDestroy`` (inside ``destroy_process_group``) waits until every such graph is gone:
+        leaving the graphs to interpreter exit made every TP>1 job on GPUs hang after its last row.
+        """
+        if self.graph_runner is not None:
+            self.graph_runner.close()
+            self.graph_runner = None
+        if self.custom_all_reduce is not None:
+            set_custom_all_reduce(None)
+            self.custom_all_reduce = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
 
 def _ranges(lengths: np.ndarray) -> np.ndarray:

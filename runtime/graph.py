@@ -83,6 +83,13 @@ class GraphRunner:
             self.graphs[bs] = graph
         torch.cuda.synchronize(e.device)
 
+    def close(self) -> None:
+        """Destroy every captured graph now (and with it NCCL's hold on its communicator)."""
+        torch.cuda.synchronize(self.engine.device)
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+
     def replay(self, batch: Batch) -> torch.Tensor:
         """Run a padded decode batch whose inputs the engine has prepared; returns its logits."""
         bs = batch.padded_size

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,6 +57,9 @@ class LLM:
         self.last_stats: dict[str, float] = {}
         self.drain: Drain | None = None  # set by the launcher to drain on SIGTERM/SIGUSR1
         self.interrupted = False
+        self._closed = False
+        if get_tp().size > 1:
+            atexit.register(self.shutdown)  # workers wait for rank 0's STOP: never leave them hanging
 
     # ---- prompts ----------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -165,6 +169,15 @@ class LLM:
         return done
 
     def shutdown(self) -> None:
-        """Release the worker ranks (TP): they leave their loop and exit."""
-        if get_tp().size > 1:
-            send_batch(None, stop=True)
+        """Release the worker ranks (TP: they leave their loop) and this engine's CUDA graphs. Idempotent.
+
+        Under torchrun, call it before ``destroy_process_group`` (an exit hook calls it otherwise).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if get_tp().size > 1:
+                send_batch(None, stop=True)
+        finally:
+            self.engine.close()

@@ -44,3 +44,8 @@ def install_drain_handlers(drain: Drain) -> None:
 def ignore_drain_signals() -> None:
     for sig in DRAIN_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+
+
+def restore_default_signals() -> None:
+    for sig in DRAIN_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)

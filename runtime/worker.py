@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from runtime.batch import Batch
 from runtime.broadcast import IDLE, STOP, recv_batch
+from runtime.config import RuntimeConfig
 from runtime.engine import Engine, ForwardOutput
 
 
@@ -20,3 +21,19 @@ def worker_loop(engine: Engine, on_output: Callable[[Batch, ForwardOutput], None
         output = engine.forward_batch(item)
         if on_output is not None:
             on_output(item, output)
+
+
+def run_worker(cfg: RuntimeConfig) -> None:
+    """A rank other than 0: build this rank's engine, follow rank 0 until it says stop, release the engine.
+
+    Rank 0 builds its engine inside ``LLM`` at the same time (loading agrees on memory collectively).
+    """
+    from models.config import ModelConfig
+    from models.default_model import resolve_model_path
+
+    model_dir = resolve_model_path(cfg.model.path)
+    engine = Engine(cfg, model_dir, ModelConfig.from_dir(model_dir))
+    try:
+        worker_loop(engine)
+    finally:
+        engine.close()

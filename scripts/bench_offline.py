@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import re
 import subprocess
 import sys
 import time
@@ -27,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from parallel.state import get_tp  # noqa: E402
 from runtime.config import RuntimeConfig, load_config, to_yaml  # noqa: E402
 
 
@@ -177,6 +180,7 @@ def run_tpinfer(cfg: RuntimeConfig, fixed: bool | str, limits: dict[str, float] 
         row.update(roofline_s=roof, roofline_share=roof / seconds)
     if timer:
         row.update(timer.summary())
+    llm.shutdown()
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -197,6 +201,7 @@ def batch1_step_time(cfg: RuntimeConfig, graphs: bool) -> float:
     llm.run([(0, [5, 6, 7, 8], params)], on_batch=log)
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / max(sum(log.decode), 1)
+    llm.shutdown()
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -267,14 +272,18 @@ RUNS = {
     "tpinfer": ({}, False),
     "tpinfer_no_graphs": ({"engine__cuda_graph_max_bs": 0}, False),
     "tpinfer_no_overlap": ({"scheduler__overlap": False}, False),
+    "tpinfer_nccl": ({"parallel__all_reduce": "nccl"}, False),  # TP > 1: every all-reduce through NCCL
     "tpinfer_fixed": ({}, True),
     "shared_prefix_radix": ({"cache__type": "radix"}, "shared"),
     "shared_prefix_naive": ({"cache__type": "naive"}, "shared"),
 }
 
 
-def run_one(name: str, args: argparse.Namespace) -> dict:
-    """One measurement, in this process."""
+TP_RUNS = ("tpinfer", "tpinfer_nccl", "tpinfer_no_graphs", "tpinfer_no_overlap", "tpinfer_fixed", "decode_profile")
+
+
+def run_one(name: str, args: argparse.Namespace) -> dict | None:
+    """One measurement, in this process (rank 0 of a torchrun job when TP > 1; other ranks return None)."""
 
     def variant(**changes: object) -> RuntimeConfig:
         cfg = load_config(args.config, args.overrides)
@@ -290,8 +299,58 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         return {"graph_step_ms": graph_s * 1e3, "eager_step_ms": eager_s * 1e3, "speedup": eager_s / graph_s}
     if name in ("hf_continuous", "hf_static"):
         return run_hf(variant(), name)
-    changes, fixed = RUNS[name]
-    return run_tpinfer(variant(**changes), fixed, json.loads(args.limits))
+    changes, fixed = RUNS.get(name, ({}, False))
+    cfg = variant(**changes)
+    if get_tp().rank != 0:
+        from runtime.worker import run_worker
+
+        run_worker(cfg)
+        return None
+    if name == "decode_profile":
+        return profile_decode(cfg)
+    return run_tpinfer(cfg, fixed, json.loads(args.limits))
+
+
+COMM_KERNELS = re.compile(r"allreduce|all_reduce|allgather|all_gather|nccl", re.IGNORECASE)
+ALL_REDUCE_KERNELS = re.compile(r"allreduce|all_reduce", re.IGNORECASE)
+
+
+def profile_decode(cfg: RuntimeConfig) -> dict:
+    """Share of GPU kernel time in collectives during steady decode (graphs on), from the torch profiler."""
+    from runtime import LLM, SamplingParams
+
+    llm = LLM(config=cfg)
+    n, new = min(cfg.scheduler.max_running_requests, cfg.bench.num_requests), 64
+    prompts, _ = workload(cfg, fixed=True, n=n)
+    prompts = [p[:512] for p in prompts]
+    temp = cfg.bench.temperature
+    llm.generate(prompts[:8], SamplingParams(temperature=temp, max_new_tokens=16, ignore_eos=True))
+    # Prefill outside the window: the radix cache keeps the prompts, so the profiled run is almost all decode.
+    llm.generate(prompts, SamplingParams(temperature=temp, max_new_tokens=1, ignore_eos=True))
+    log = StepLog()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        llm.run([(i, p, SamplingParams(temperature=temp, max_new_tokens=new, ignore_eos=True))
+                 for i, p in enumerate(prompts)], on_batch=log)
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.device_time for e in kernels)
+    comm = sum(e.device_time for e in kernels if COMM_KERNELS.search(e.name))
+    reduce = sum(e.device_time for e in kernels if ALL_REDUCE_KERNELS.search(e.name))
+    top = {}
+    for e in kernels:
+        top[e.name[:80]] = top.get(e.name[:80], 0.0) + e.device_time
+    llm.shutdown()
+    steps = max(sum(log.decode), 1)
+    return {
+        "requests": n, "decode_steps": int(sum(log.decode)), "seconds": seconds, "step_ms": seconds * 1e3 / steps,
+        "kernel_ms_per_step": total / 1e3 / steps, "all_reduce_share": reduce / max(total, 1e-9),
+        "comm_share": comm / max(total, 1e-9), "all_reduce_ms_per_step": reduce / 1e3 / steps,
+        "top_kernels_ms": {k: round(v / 1e3, 2) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]},
+    }
 
 
 def main() -> int:
@@ -300,25 +359,32 @@ def main() -> int:
     parser.add_argument("--out", default="benchmarks")
     parser.add_argument("--name", default=None, help="results file stem (default: the config's stem)")
     parser.add_argument("--runs", default=None, help="comma-separated subset of runs (default: from bench config)")
+    parser.add_argument("--tp", default="1", help="comma-separated TP sizes; TP > 1 runs each measurement under torchrun")
+    parser.add_argument("--tp-runs", default="tpinfer,tpinfer_nccl,decode_profile",
+                        help="runs repeated at each TP size > 1")
     parser.add_argument("--run", default=None, help=argparse.SUPPRESS)  # internal: one measurement
     parser.add_argument("--limits", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     if args.run:
-        print("RESULT " + json.dumps(run_one(args.run, args)), flush=True)
-        return 0
+        return run_in_this_process(args)
     base = load_config(args.config, args.overrides)
     name = args.name or Path(args.config[-1]).stem
     results: dict = {"name": name, "command": " ".join(sys.argv), "config": to_yaml(base), "runs": {}}
 
-    def measure(run: str, limits: dict | None = None) -> dict:
-        # Each measurement in a fresh process: no allocator state or CUDA graphs carried between runs.
-        cmd = [sys.executable, __file__, "--run", run, "--limits", json.dumps(limits or {})]
+    def measure(run: str, limits: dict | None = None, tp: int = 1) -> dict:
+        # Each measurement in a fresh process (a torchrun job at TP > 1): no allocator state or
+        # CUDA graphs carried between runs.
+        launcher = [sys.executable]
+        if tp > 1:
+            launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tp)]
+        cmd = [*launcher, __file__, "--run", run, "--limits", json.dumps(limits or {})]
         cmd += [x for c in args.config for x in ("--config", c)] + args.overrides
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
-            return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
+            tail = [ln for ln in (proc.stderr or proc.stdout).strip().splitlines() if ln.strip()][-3:]
+            return {"error": tail, "returncode": proc.returncode}
         return json.loads(lines[-1][len("RESULT "):])
 
     limits = measure("limits")
@@ -334,11 +400,53 @@ def main() -> int:
     for run in plan:
         results["runs"][run] = measure(run, limits)
         print(run, json.dumps(results["runs"][run]), flush=True)
+    for tp in [int(t) for t in args.tp.split(",") if int(t) > 1]:
+        for run in args.tp_runs.split(","):
+            key = f"{run}@tp{tp}"
+            results["runs"][key] = measure(run, limits, tp)
+            print(key, json.dumps(results["runs"][key]), flush=True)
+    add_scaling(results)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(results, indent=2))
     print_table(results)
+    failed = [k for k, v in results["runs"].items() if "error" in v]
+    if failed:
+        print(f"failed runs: {failed}", file=sys.stderr)
+        return 1
     return 0
+
+
+def run_in_this_process(args: argparse.Namespace) -> int:
+    """``--run NAME``: one measurement; under torchrun every rank joins, rank 0 prints the result."""
+    distributed = "TORCHELASTIC_RUN_ID" in os.environ
+    if distributed:
+        from parallel.distributed import init_distributed
+
+        init_distributed(use_cuda=True, timeout_s=600)
+    result = run_one(args.run, args)
+    if result is not None:
+        print("RESULT " + json.dumps(result), flush=True)
+    if distributed:
+        from parallel.distributed import shutdown_distributed
+
+        shutdown_distributed()
+    return 0
+
+
+def add_scaling(results: dict) -> None:
+    """Speed-up and efficiency of each TP size over TP=1, per run."""
+    runs = results["runs"]
+    scaling = {}
+    for key, row in runs.items():
+        if "@tp" not in key or "output_tok_s" not in row:
+            continue
+        run, tp = key.split("@tp")
+        base = runs.get(run if run != "tpinfer_nccl" else "tpinfer", {}).get("output_tok_s")
+        if base:
+            speedup = row["output_tok_s"] / base
+            scaling[key] = {"speedup": speedup, "efficiency": speedup / int(tp)}
+    results["scaling"] = scaling
 
 
 def print_table(results: dict) -> None:
@@ -354,6 +462,12 @@ def print_table(results: dict) -> None:
         idle = row.get("decode_idle_share")
         print(f"{key:<22}{row['output_tok_s']:>10.0f}{row['output_tok_s'] / ref:>12.2f}"
               f"{'' if share is None else f'{share:.0%}':>10}{'' if idle is None else f'{idle:.1%}':>8}")
+    for key, row in results.get("scaling", {}).items():
+        print(f"{key}: {row['speedup']:.2f}x over TP=1 ({row['efficiency']:.0%} efficiency)")
+    for key, row in runs.items():
+        if "all_reduce_share" in row:
+            print(f"{key}: all-reduce {row['all_reduce_share']:.1%} of GPU kernel time in decode "
+                  f"({row['all_reduce_ms_per_step']:.2f} ms of {row['kernel_ms_per_step']:.2f} ms per step)")
     fixed, static, cb = runs.get("tpinfer_fixed"), runs.get("hf_static"), runs.get("hf_continuous")
     for peer_name, peer in (("HF static generate", static), ("HF generate_batch", cb)):
         if fixed and peer and "output_tok_s" in peer:

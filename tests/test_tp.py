@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -176,3 +178,26 @@ def test_indivisible_head_splits_fail_at_start_naming_the_numbers(heads, kv_head
                 assert f"size {tp}" in str(err.value)
     finally:
         set_tp(TPInfo())
+
+
+def random_model_logits(rank: int, config_dir: str, prompts: list[list[int]]) -> list[torch.Tensor]:
+    engine = make_engine(config_dir, "model.random_weights=true", "engine.seed=3", "cache.page_size=4")
+    return prefill_logits(engine, prompts)
+
+
+def test_random_weights_are_one_model_at_every_tp_and_equal_the_saved_checkpoint(tp_tiny_dir, tmp_path):
+    """Benchmark weights are drawn per full tensor (sliced, not reseeded per rank), so TP=2 is the TP=1 model,
+    and scripts/make_random_checkpoint.py writes exactly that model."""
+    from scripts.make_random_checkpoint import write_random_checkpoint
+
+    prompts = _prompts(502, [6, 19], seed=4)
+    single = random_model_logits(0, tp_tiny_dir, prompts)
+    ranks = run_ranks(2, random_model_logits, tp_tiny_dir, prompts)
+    saved = write_random_checkpoint(Path(tp_tiny_dir), tmp_path / "ckpt", seed=3, dtype=torch.float32,
+                                    device=torch.device("cpu"))
+    from_disk = prefill_logits(make_engine(saved, "cache.page_size=4"), prompts)
+    other_seed = prefill_logits(make_engine(tp_tiny_dir, "model.random_weights=true", "engine.seed=4"), prompts)
+    for i in range(len(prompts)):
+        assert relative_error(ranks[0][i], single[i]) <= 1e-5 and torch.equal(ranks[0][i], ranks[1][i])
+        assert torch.equal(from_disk[i], single[i])
+        assert relative_error(other_seed[i], single[i]) > 0.1
