@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 from runtime.config import ConfigError, RuntimeConfig, load_config, to_yaml
 
 if TYPE_CHECKING:
-    from runtime.llm import LLM
-    from runtime.signals import Drain
+    from runtime.frontend.llm import LLM
+    from runtime.frontend.signals import Drain
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
 log = logging.getLogger("tpinfer")
@@ -37,8 +37,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run_rank0(cfg: RuntimeConfig) -> int:
-    from runtime.llm import LLM
-    from runtime.signals import Drain, install_drain_handlers, restore_default_signals
+    from runtime.frontend.llm import LLM
+    from runtime.frontend.signals import Drain, install_drain_handlers, restore_default_signals
 
     drain = Drain()
     install_drain_handlers(drain)  # before the (long) model load: a signal then still drains cleanly
@@ -59,10 +59,10 @@ def run_rank0(cfg: RuntimeConfig) -> int:
 
 def serve(cfg: RuntimeConfig, llm: LLM, drain: Drain) -> int:
     """The job (JSONL in, JSONL out) or the configured prompts; returns the exit code."""
-    from runtime.signals import EXIT_PREEMPTED
+    from runtime.frontend.signals import EXIT_PREEMPTED
 
     if cfg.job.input:
-        from runtime.job import run_job
+        from runtime.frontend.job import run_job
 
         m = run_job(llm, to_yaml(cfg))
         print(f"{m['completed']} rows done, {m['errors']} errors, {m['already_done']} done before -> "
@@ -83,7 +83,7 @@ def serve(cfg: RuntimeConfig, llm: LLM, drain: Drain) -> int:
 
 
 def run_worker(cfg: RuntimeConfig) -> int:
-    from runtime.signals import ignore_drain_signals
+    from runtime.frontend.signals import ignore_drain_signals
     from runtime.worker import run_worker as follow_rank0
 
     ignore_drain_signals()  # rank 0 decides when to stop; a worker leaving early would stall everyone
@@ -115,16 +115,17 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.job.input and not Path(cfg.job.input).is_file():
         print(f"error: config key 'job.input'={cfg.job.input} does not exist", file=sys.stderr)
         return 2
-
-    import torch
+    if cfg.job.input and Path(cfg.job.input).resolve() == Path(cfg.job.output).resolve():
+        print(f"error: config keys 'job.input' and 'job.output' name the same file ({cfg.job.input})", file=sys.stderr)
+        return 2
 
     from parallel.distributed import init_distributed, read_torchrun_env, shutdown_distributed
+    from runtime.engine.engine import wants_cuda
 
     rank = read_torchrun_env().rank
     logging.basicConfig(level=cfg.logging.level, format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
-    use_cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and torch.cuda.is_available())
     try:
-        tp = init_distributed(use_cuda, cfg.parallel.timeout_s)
+        tp = init_distributed(wants_cuda(cfg.engine.device), cfg.parallel.timeout_s)
         code = run_rank0(cfg) if tp.rank == 0 else run_worker(cfg)
         report_peak_memory(tp.rank)
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as exc:

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+# Older config.json files name only the model_type; anything else (qwen3, ...) must not load as Llama.
+_ARCH_OF_MODEL_TYPE = {"llama": ["LlamaForCausalLM"], "mistral": ["MistralForCausalLM"]}
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,12 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        archs = cfg.get("architectures") or _ARCH_OF_MODEL_TYPE.get(cfg.get("model_type"))
+        if not archs:
+            raise ValueError(
+                f"config.json has no 'architectures' and its model_type {cfg.get('model_type')!r} is not one of "
+                f"{sorted(_ARCH_OF_MODEL_TYPE)}; supported architectures: {SUPPORTED_ARCHITECTURES}"
+            )
         if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
             raise ValueError(f"model architecture {archs} is not supported; expected one of {SUPPORTED_ARCHITECTURES}")
         if cfg.get("sliding_window") not in (None, 0) and cfg.get("use_sliding_window", True) and "Mistral" in archs[0]:

@@ -1,4 +1,4 @@
-"""Tensor-parallel building blocks of the walkthrough. At TP=1 each is a plain layer.
+"""Tensor-parallel building blocks (ARCHITECTURE.md). At TP=1 each is a plain layer.
 
 Every parameter carries a ``weight_loader(param, source, shard_id)`` that copies
 this rank's slice out of a checkpoint tensor. ``source`` is anything sliceable
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import ops
-from parallel import all_gather_last_dim, all_reduce, get_tp
+from models.ops import TORCH_KERNELS, Kernels
+from parallel import all_gather_last_dim, all_reduce, get_tp, linear_all_reduce
 
 
 class SliceSource(Protocol):
@@ -187,19 +187,20 @@ class RowParallelLinear(nn.Module):
         _shard_cols(param, source)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = all_reduce(F.linear(x, self.weight))
+        out = linear_all_reduce(x, self.weight)
         return out if self.bias is None else out + self.bias
 
 
 class RMSNorm(nn.Module):
     """RMSNorm that can also add the residual first: ``(norm(x + r), x + r)``."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, kernels: Kernels = TORCH_KERNELS) -> None:
         super().__init__()
         self.eps = eps
         self.weight = _new_param(dim, loader=load_replicated)
+        self.norm, self.add_norm = kernels.rms_norm, kernels.add_rms_norm
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps), x
-        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return self.norm(x, self.weight, self.eps), x
+        return self.add_norm(x, residual, self.weight, self.eps)

@@ -12,6 +12,7 @@ from torch import nn
 
 from models import ops
 from models.config import ModelConfig
+from models.context import get_ctx
 from models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -20,13 +21,14 @@ from models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from runtime.context import get_ctx
+from models.ops import TORCH_KERNELS, Kernels
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, kernels: Kernels) -> None:
         super().__init__()
         self.layer_id = layer_id
+        self.apply_rope = kernels.apply_rope
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias
         )
@@ -43,29 +45,30 @@ class LlamaAttention(nn.Module):
         q = q.reshape(-1, self.num_heads, d)
         k = k.reshape(-1, self.num_kv_heads, d)
         v = v.reshape(-1, self.num_kv_heads, d)
-        ops.apply_rope(ctx.batch.positions, q, k, cos_sin)
+        self.apply_rope(ctx.batch.positions, q, k, cos_sin)
         out = ctx.attn_backend.forward(q, k, v, self.layer_id)
         return self.o_proj(out.reshape(-1, self.num_heads * d))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: Kernels) -> None:
         super().__init__()
+        self.silu_and_mul = kernels.silu_and_mul
         size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], cfg.mlp_bias)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, kernels: Kernels) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_id)
-        self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer_id, kernels)
+        self.mlp = LlamaMLP(cfg, kernels)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor
@@ -77,11 +80,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: Kernels) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, kernels) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
     def forward(self, input_ids: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -101,10 +104,10 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: Kernels = TORCH_KERNELS) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.model = LlamaModel(cfg, kernels)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -1,13 +1,16 @@
-"""Elementwise kernels the model uses, with one switch between torch and flashinfer.
+"""Elementwise kernels the model uses: a torch set and a flashinfer set, picked once per model.
 
 The torch versions mirror HF transformers' numerics (norms in float32, RoPE in
-the activation dtype) so that CPU float32 runs match HF to rounding. The engine
-calls ``use_flashinfer(True)`` once on GPU; nothing on the hot path branches.
+the activation dtype) so that CPU float32 runs match HF to rounding. The model
+receives its ``Kernels`` when it is built and keeps them: nothing on the hot path
+branches or looks them up globally.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -75,20 +78,16 @@ def _rope_fi(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin:
     )
 
 
-rms_norm = _rms_norm_torch
-add_rms_norm = _add_rms_norm_torch
-silu_and_mul = _silu_and_mul_torch
-apply_rope = _rope_torch
+@dataclass(frozen=True)
+class Kernels:
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    apply_rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-def use_flashinfer(enabled: bool) -> None:
-    """Select the kernel set once, at engine start."""
-    global rms_norm, add_rms_norm, silu_and_mul, apply_rope
-    if enabled:
-        rms_norm, add_rms_norm, silu_and_mul, apply_rope = _rms_norm_fi, _add_rms_norm_fi, _silu_and_mul_fi, _rope_fi
-    else:
-        rms_norm, add_rms_norm = _rms_norm_torch, _add_rms_norm_torch
-        silu_and_mul, apply_rope = _silu_and_mul_torch, _rope_torch
+TORCH_KERNELS = Kernels(_rms_norm_torch, _add_rms_norm_torch, _silu_and_mul_torch, _rope_torch)
+FLASHINFER_KERNELS = Kernels(_rms_norm_fi, _add_rms_norm_fi, _silu_and_mul_fi, _rope_fi)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

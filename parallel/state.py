@@ -6,11 +6,12 @@ The device group (NCCL on CUDA, gloo on CPU) carries activations; the CPU group
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,16 @@ class TPInfo:
 _tp = TPInfo()
 _device_group: dist.ProcessGroup | None = None
 _cpu_group: dist.ProcessGroup | None = None
-# A faster all-reduce for small messages (decode), set by the engine on CUDA: (fits, reduce in place).
-_custom_all_reduce: tuple[Callable[[torch.Tensor], bool], Callable[[torch.Tensor], torch.Tensor]] | None = None
+
+
+class CustomAllReduce(Protocol):
+    def fits(self, numel: int, dtype: torch.dtype) -> bool: ...
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+    def linear_all_reduce(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
+
+# A faster all-reduce for small messages (decode), set by the engine on CUDA; None: NCCL or gloo only.
+_custom_all_reduce: CustomAllReduce | None = None
 
 
 def set_tp(info: TPInfo, device_group: dist.ProcessGroup | None = None, cpu_group: dist.ProcessGroup | None = None) -> None:
@@ -36,10 +45,10 @@ def set_tp(info: TPInfo, device_group: dist.ProcessGroup | None = None, cpu_grou
     _tp, _device_group, _cpu_group, _custom_all_reduce = info, device_group, cpu_group, None
 
 
-def set_custom_all_reduce(comm: object | None) -> None:
-    """Route all-reduces that ``comm.fits`` through ``comm(x)``; None: NCCL (or gloo) for all."""
+def set_custom_all_reduce(comm: CustomAllReduce | None) -> None:
+    """Route the all-reduces that ``comm`` fits through it; None: NCCL (or gloo) for all."""
     global _custom_all_reduce
-    _custom_all_reduce = None if comm is None else (comm.fits, comm)  # type: ignore[attr-defined]
+    _custom_all_reduce = comm
 
 
 def get_tp() -> TPInfo:
@@ -56,11 +65,20 @@ def get_device_group() -> dist.ProcessGroup | None:
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over the TP ranks in place (row-parallel outputs, vocab-parallel embeddings)."""
+    comm = _custom_all_reduce
+    if comm is not None and comm.fits(x.numel(), x.dtype) and x.is_contiguous():
+        return comm.all_reduce(x)
     if _tp.size > 1:
-        if _custom_all_reduce is not None and _custom_all_reduce[0](x):
-            return _custom_all_reduce[1](x)
         dist.all_reduce(x, group=_device_group)
     return x
+
+
+def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` summed over the TP ranks (row-parallel layers)."""
+    comm = _custom_all_reduce
+    if comm is not None and comm.fits(x.numel() // x.shape[-1] * weight.shape[0], x.dtype):
+        return comm.linear_all_reduce(x, weight)
+    return all_reduce(F.linear(x, weight))
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:

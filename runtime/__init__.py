@@ -1,4 +1,9 @@
-"""The tpinfer runtime: ``from runtime import LLM, SamplingParams``."""
+"""The tpinfer runtime: ``from runtime import LLM, SamplingParams``.
+
+Layers (ARCHITECTURE.md): ``engine/`` runs one step on every rank, ``scheduler/`` decides
+the steps on rank 0, ``frontend/`` turns prompts, jobs and signals into requests;
+``loop``, ``broadcast`` and ``worker`` tie them together across ranks.
+"""
 
 from runtime.sampling_params import SamplingParams
 
@@ -7,7 +12,7 @@ __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 
 def __getattr__(name: str):  # noqa: ANN202 - keep `import runtime` light (no torch until needed)
     if name in ("LLM", "RequestOutput"):
-        from runtime import llm
+        from runtime.frontend import llm
 
         return getattr(llm, name)
     raise AttributeError(name)

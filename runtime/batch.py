@@ -17,6 +17,15 @@ import torch
 from runtime.sampling_params import SamplingParams
 
 
+def unseeded_key(run_seed: int, uid: int) -> int:
+    """The RNG key of a request without a seed: a splitmix64 hash of (run seed, request id), so it does
+    not collide with small user seeds (``seed=3`` and request 3 must not draw the same noise)."""
+    x = (run_seed * 0x9E3779B97F4A7C15 + uid + 0x632BE59BD9B4E019) & (2**64 - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (x ^ (x >> 31)) >> 1  # 63 bits: a valid int64 seed
+
+
 @dataclass(eq=False)
 class Req:
     uid: int
@@ -40,7 +49,7 @@ class Req:
     def __post_init__(self) -> None:
         self.device_len = len(self.prompt_ids)
         p = self.sampling
-        seed = p.seed if p.seed is not None else (self.run_seed << 32) + self.uid
+        seed = p.seed if p.seed is not None else unseeded_key(self.run_seed, self.uid)
         temperature = 0.0 if p.is_greedy else p.temperature
         top_k = p.top_k if 0 < p.top_k < 2**31 else -1  # beyond int32 it cannot restrict any vocabulary
         self.sampling_row = (temperature, top_k, p.top_p, seed, p.seed is not None)

@@ -92,26 +92,6 @@ class ParallelSection:
 
 
 @dataclass
-class BenchSection:
-    """The offline benchmark's workload (scripts/bench_offline.py)."""
-
-    num_requests: int = 256
-    input_len: list[int] = field(default_factory=lambda: [100, 1024])  # uniform, inclusive
-    output_len: list[int] = field(default_factory=lambda: [100, 1024])  # uniform, inclusive
-    fixed_output_len: int = 512  # the fixed-length variant (HF static batching needs one length)
-    token_id_limit: int = 10000  # prompts are random ids below this
-    temperature: float = 0.6
-    seed: int = 0
-    peers: list[str] = field(default_factory=lambda: ["hf_continuous", "hf_static"])  # run on the fixed variant
-    peer_requests: int = 256  # requests given to the (slow) HF peers
-    ablations: list[str] = field(default_factory=lambda: ["no_graphs", "no_overlap"])
-    # Shared-prefix workload (ablation "shared_prefix": radix against naive cache).
-    shared_prefix_len: int = 1000
-    distinct_len: list[int] = field(default_factory=lambda: [50, 200])
-    shared_output_len: int = 128
-
-
-@dataclass
 class LoggingSection:
     level: str = "INFO"
 
@@ -125,7 +105,6 @@ class RuntimeConfig:
     sampling: SamplingSection = field(default_factory=SamplingSection)
     job: JobSection = field(default_factory=JobSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
-    bench: BenchSection = field(default_factory=BenchSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
 
 
@@ -189,9 +168,10 @@ def _validate(cfg: RuntimeConfig) -> None:
         raise ConfigError(f"config section 'sampling': {exc}") from None
 
 
-def load_config(paths: list[str | Path] | None = None, overrides: list[str] | None = None) -> RuntimeConfig:
+def load_config(paths: list[str | Path] | None = None, overrides: list[str] | None = None,
+                *, schema: type[RuntimeConfig] = RuntimeConfig) -> RuntimeConfig:
     """Schema <- each YAML file in order <- ``key=value`` overrides; validated."""
-    schema = OmegaConf.structured(RuntimeConfig)
+    schema = OmegaConf.structured(schema)
     merged = schema
     for path in paths or []:
         file = Path(path)

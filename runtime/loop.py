@@ -10,19 +10,21 @@ from collections.abc import Callable
 
 from runtime.batch import Batch, Req
 from runtime.engine import Engine, ForwardOutput
+from runtime.frontend.signals import Drain
+from runtime.output import OutputProcessor
 from runtime.scheduler import Scheduler
-from runtime.signals import Drain
 
 
 def run_until_idle(
-    scheduler: Scheduler, engine: Engine, overlap: bool, on_finish: Callable[[Req], None],
+    scheduler: Scheduler, engine: Engine, outputs: OutputProcessor, overlap: bool, on_finish: Callable[[Req], None],
     on_batch: Callable[[Batch | None], None] | None = None, drain: Drain | None = None, drain_timeout_s: float = 0.0,
 ) -> bool:
     """Serve until nothing is left; returns False if a drain request cut the run short."""
     last: tuple[Batch, ForwardOutput] | None = None
 
     def handle(step: tuple[Batch, ForwardOutput]) -> None:
-        for req in scheduler.process(*step):
+        for req in outputs.process(*step):
+            scheduler.finish(req)
             on_finish(req)
 
     while True:

@@ -28,24 +28,32 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     def validate(self) -> None:
+        """Strict types: JSON ``"false"`` is not a bool, ``true`` is not a number, ``null`` is not a list."""
+
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"sampling parameter {name}={getattr(self, name)!r} {why}")
 
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_number(v: object) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        if not is_number(self.temperature) or self.temperature < 0:
             raise bad("temperature", "must be a finite number >= 0 (0 means greedy)")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             raise bad("top_k", "must be an integer >= 1, or -1/0 to disable")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens <= 0:
+        if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be a number in (0, 1]")
+        if not is_int(self.max_new_tokens) or self.max_new_tokens <= 0:
             raise bad("max_new_tokens", "must be an integer > 0")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise bad("stop", "must be a list of non-empty strings")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be a list of token ids >= 0")
-        if self.seed is not None and (
-            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63
-        ):
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be a string or a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of integer token ids >= 0")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "must be true or false (a JSON boolean, not a string)")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise bad("seed", "must be an integer in [0, 2**63)")
 
     @classmethod

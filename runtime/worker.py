@@ -28,11 +28,7 @@ def run_worker(cfg: RuntimeConfig) -> None:
 
     Rank 0 builds its engine inside ``LLM`` at the same time (loading agrees on memory collectively).
     """
-    from models.config import ModelConfig
-    from models.default_model import resolve_model_path
-
-    model_dir = resolve_model_path(cfg.model.path)
-    engine = Engine(cfg, model_dir, ModelConfig.from_dir(model_dir))
+    engine = Engine.from_config(cfg)
     try:
         worker_loop(engine)
     finally:

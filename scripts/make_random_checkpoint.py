@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.config import ModelConfig  # noqa: E402
-from models.loader import checkpoint_shapes, random_checkpoint_tensor  # noqa: E402
+from models.weights.loader import checkpoint_shapes, random_checkpoint_tensor  # noqa: E402
 
 SHARD_BYTES = 2 << 30
 

@@ -13,7 +13,7 @@ from pathlib import Path
 # Run as a plain script from a checkout: make the repo root importable.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from models.default_model import ensure_default_model
+from models.weights.default_model import ensure_default_model
 
 
 def main() -> int:

@@ -14,8 +14,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime import LLM, SamplingParams  # noqa: E402
-from runtime.config import load_config  # noqa: E402
-from scripts.bench_offline import workload  # noqa: E402
+from scripts.bench_config import load_bench_config  # noqa: E402
+from scripts.bench_runs import workload  # noqa: E402
 
 
 def main() -> int:
@@ -26,7 +26,7 @@ def main() -> int:
     parser.add_argument("--trace", default=None, help="write a chrome trace here")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_bench_config(args.config, args.overrides)
     llm = LLM(config=cfg)
     prompts, _ = workload(cfg, fixed=True, n=args.requests)
     params = SamplingParams(temperature=cfg.bench.temperature, max_new_tokens=args.new_tokens, ignore_eos=True)

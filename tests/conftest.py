@@ -20,7 +20,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    from models.default_model import ensure_default_model
+    from models.weights.default_model import ensure_default_model
 
     return ensure_default_model(quiet=True)
 

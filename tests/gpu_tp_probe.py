@@ -1,6 +1,6 @@
 """Run under torchrun by tests/test_gpu_tp.py: one rank's view of a TP job on GPUs.
 
-    torchrun --nproc-per-node N tests/gpu_tp_probe.py MODEL_DIR OUT_DIR
+    torchrun --nproc-per-node N tests/gpu_tp_probe.py MODEL_DIR OUT_DIR [key=value ...]
 
 Every rank: teacher-forced logits (prefill, chunked prefill, decode through the CUDA
 graphs) computed in lockstep, then a scheduler run (rank 0 schedules, the others
@@ -49,7 +49,7 @@ def sampling_params() -> list[SamplingParams]:
 def main() -> int:
     model_dir, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
     tp = init_distributed(use_cuda=True, timeout_s=300)
-    cfg = load_config(overrides=[*OVERRIDES, f"model.path={model_dir}"])
+    cfg = load_config(overrides=[*OVERRIDES, f"model.path={model_dir}", *sys.argv[3:]])
     logit_prompts, gen_prompts = probe_prompts()
     engine = Engine(cfg, model_dir, ModelConfig.from_dir(model_dir))
     result: dict = {"tp": tp.size}

@@ -11,7 +11,7 @@ from models.config import ModelConfig
 from runtime.batch import Batch
 from runtime.config import load_config
 from runtime.engine import Engine
-from runtime.kv_cache import PageAllocator
+from runtime.scheduler.pages import PageAllocator
 
 
 def make_engine(model_dir: Path, *overrides: str) -> Engine:

@@ -250,32 +250,30 @@ def schedule_one(params: SamplingParams, run_seed: int = 0):
     from runtime.config import SchedulerSection
     from runtime.scheduler import Scheduler
 
-    sched = Scheduler(SchedulerSection(), num_pages=16, page_size=16, max_seq_len=128, dummy_row=255, eos_ids={0})
+    sched = Scheduler(SchedulerSection(), num_pages=16, page_size=16, max_seq_len=128, dummy_row=255)
     sched.add(Req(0, [1, 2, 3], params, 4, run_seed=run_seed))
     return sched.schedule()
 
 
-@pytest.mark.parametrize("kwargs", [{"seed": 2**63}, {"top_k": 2**31}], ids=["seed-2**63", "top_k-2**31"])
-def test_accepted_sampling_params_can_be_scheduled(kwargs):
-    """Values that pass validation must fit the batch arrays (int64 seeds, int32 top_k); a value that
-    cannot must be rejected up front as a per-request ValueError, not crash the scheduler mid-run."""
-    try:
-        params = SamplingParams(temperature=1.0, **kwargs)
-    except ValueError:
-        return  # rejected at validation: fine
-    batch = schedule_one(params)
-    assert batch is not None and batch.size == 1
+def test_sampling_limits_are_refused_at_validation_or_fit_the_batch():
+    """A seed of 2**63 does not fit int64 and is refused up front (a per-request ValueError); top_k=2**31 is
+    accepted and must fit the batch's int32 array (it restricts nothing, so it becomes -1)."""
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(temperature=1.0, seed=2**63)
+    batch = schedule_one(SamplingParams(temperature=1.0, seed=2**63 - 1))
+    assert batch is not None and int(batch.seeds[0]) == 2**63 - 1
+    batch = schedule_one(SamplingParams(temperature=1.0, top_k=2**31))
+    assert batch is not None and int(batch.top_k[0]) == -1
 
 
 def test_accepted_engine_seed_can_be_scheduled():
-    """Unseeded requests derive their seed as (engine.seed << 32) + uid: an accepted engine.seed must keep
-    that inside int64 (or be rejected by load_config)."""
-    try:
-        cfg = load_config([], [f"engine.seed={2**31}"])
-    except ConfigError:
-        return
+    """Unseeded requests hash (engine.seed, uid) into an int64 key: the largest accepted engine.seed schedules,
+    and the next one is refused at load."""
+    with pytest.raises(ConfigError, match="engine.seed"):
+        load_config([], [f"engine.seed={2**31}"])
+    cfg = load_config([], [f"engine.seed={2**31 - 1}"])
     batch = schedule_one(SamplingParams(temperature=1.0), run_seed=cfg.engine.seed)
-    assert batch is not None and batch.size == 1
+    assert batch is not None and batch.size == 1 and 0 <= int(batch.seeds[0]) < 2**63
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -307,7 +305,7 @@ def test_launch_fast_paths_import_no_model_code():
         import launch
         rc1 = launch.main(["--print-config", "cache.page_size=1"])
         rc2 = launch.main(["cache.page_sise=1"])
-        heavy = sorted(m for m in ("runtime.llm", "runtime.engine", "models") if m in sys.modules)
+        heavy = sorted(m for m in ("runtime.frontend.llm", "runtime.engine", "models") if m in sys.modules)
         print("RESULT", rc1, rc2, heavy)
     """)
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -329,3 +327,24 @@ def test_interpolation_and_environment_in_presets(tmp_path, monkeypatch):
     layer.write_text("scheduler:\n  max_prefill_tokens: ${model.max_seq_len}\n")
     cfg = load_config([repo / "configs" / "local_model.yaml", layer], ["model.max_seq_len=2048"])
     assert cfg.scheduler.max_prefill_tokens == 2048
+
+
+@pytest.mark.parametrize("values,named", [
+    ({"ignore_eos": "false"}, "ignore_eos"), ({"temperature": True}, "temperature"),
+    ({"stop_token_ids": [True]}, "stop_token_ids"), ({"stop": None}, "stop"), ({"stop": 5}, "stop"),
+    ({"top_p": "0.5"}, "top_p"), ({"max_new_tokens": 2.0}, "max_new_tokens"), ({"seed": 1.5}, "seed"),
+])
+def test_sampling_values_are_not_coerced(values, named):
+    with pytest.raises(ValueError, match=f"sampling parameter {named}="):
+        SamplingParams.from_dict(values)
+
+
+def test_a_config_without_architectures_is_not_taken_for_llama():
+    from models.config import ModelConfig
+
+    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+            "num_attention_heads": 2}
+    with pytest.raises(ValueError, match="model_type 'qwen3'") as err:
+        ModelConfig.from_dict({**base, "model_type": "qwen3"})
+    assert "LlamaForCausalLM" in str(err.value)
+    assert ModelConfig.from_dict({**base, "model_type": "llama"}).num_heads == 2

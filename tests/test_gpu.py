@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from models.config import ModelConfig
-from models.loader import to_hf_state_dict
+from models.weights.loader import to_hf_state_dict
 from runtime import LLM, SamplingParams
 from runtime.config import load_config
 from runtime.engine import Engine
@@ -145,7 +145,7 @@ def _decode_batch(n: int, temperature: float, top_k: int, top_p: float, position
 
 
 def test_gpu_sampler_honours_top_k_top_p_and_greedy():
-    from runtime.sampler import Sampler
+    from runtime.engine.sampler import Sampler
 
     sampler = Sampler(1000, torch.device("cuda"), use_flashinfer=True, seed=0)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -164,7 +164,24 @@ def test_gpu_sampler_honours_top_k_top_p_and_greedy():
             assert tok in order[row, : int(nucleus_size[row])].tolist()
             seen_p.add((row, tok))
     assert len(seen_k) > 8  # it really samples
+    assert len(seen_p) > 8 and len({row for row, _ in seen_p}) == 8  # top-p sampling too, on every row
     greedy = sampler.sample(logits, sampler.prepare(_decode_batch(8, 0.0, -1, 1.0, 0)))
     assert torch.equal(greedy, logits.argmax(-1))
     cold = sampler.sample(logits, sampler.prepare(_decode_batch(8, 1e-5, -1, 1.0, 0)))
     assert torch.equal(cold.long(), logits.argmax(-1))
+
+
+def test_many_engines_in_one_process():
+    """Notebooks and test suites build engine after engine in one process; each must capture its graphs and
+    generate correctly, whether or not the previous one was shut down."""
+    prompts = [[1, 2, 3, 4], list(range(10, 60))]
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    first = None
+    for i in range(6):
+        llm = LLM(str(SMOL), overrides=[*COMMON, "engine.cuda_graph_max_bs=32", f"scheduler.overlap={i % 2 == 0}"])
+        outs = [o.token_ids for o in llm.generate(prompts, params)]
+        first = first or outs
+        assert outs == first, i
+        if i % 3 == 0:
+            llm.shutdown()  # the others are simply dropped
+        del llm

@@ -10,9 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.job import read_rows
-from runtime.kv_cache import DUMMY_PAGE, KVCache, PageAllocator, compute_num_pages, page_bytes
+from runtime.engine.kv_cache import DUMMY_PAGE, KVCache, compute_num_pages, page_bytes
+from runtime.frontend.job import read_rows
 from runtime.sampling_params import SamplingParams
+from runtime.scheduler.pages import PageAllocator
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -149,7 +150,7 @@ def test_allocator_against_a_reference_set_model(num_pages, ops):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# runtime.job.read_rows
+# runtime.frontend.job.read_rows
 # ---------------------------------------------------------------------------------------------------------
 def write_jsonl(tmp_path: Path, lines: list[str]) -> Path:
     path = tmp_path / "rows.jsonl"

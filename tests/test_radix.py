@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime import LLM, SamplingParams
-from runtime.kv_cache import PageAllocator
-from runtime.radix_cache import RadixCache
+from runtime.scheduler.pages import PageAllocator
+from runtime.scheduler.radix_cache import RadixCache
 
 BASES = [[7] * 40, [1, 2, 3] * 14, [9, 8] * 20]  # prefixes that requests share
 
@@ -141,10 +141,13 @@ def test_eviction_under_a_tiny_pool_completes_every_request(default_model_dir):
                                                    "cache.debug_checks=true"])
     naive = LLM(str(default_model_dir), overrides=["engine.device=cpu", "cache.type=naive"])
     prompts = _prompts()
+    cache, evicted = radix.scheduler.cache, []
+    original_evict = cache.evict
+    cache.evict = lambda n: evicted.append(original_evict(n)) or evicted[-1]
     outs = radix.generate(prompts, params)
     assert all(o.error is None for o in outs)
     assert [o.token_ids for o in outs] == [o.token_ids for o in naive.generate(prompts, params)]
-    assert radix.scheduler.stats.page_waits > 0 or radix.scheduler.cache.tree_pages < 29
+    assert sum(evicted) > 0  # 29 usable pages are too few to keep everything: the tree really was evicted from
     radix.scheduler.cache.evict(30)
     assert radix.scheduler.allocator.num_free == 29
 
@@ -203,6 +206,7 @@ def test_scheduler_with_radix_serves_the_right_kv(prompts, page, extra_pages, ma
     from runtime.batch import Req
     from runtime.config import load_config
     from runtime.loop import run_until_idle
+    from runtime.output import OutputProcessor
     from runtime.scheduler import Scheduler
 
     reqs = [Req(uid, BASES[b][:n] + tail or [5], SamplingParams(temperature=0, max_new_tokens=new), new)
@@ -210,12 +214,12 @@ def test_scheduler_with_radix_serves_the_right_kv(prompts, page, extra_pages, ma
     need = max(-(-(r.prompt_len + r.max_new_tokens - 1) // page) for r in reqs)
     cfg = load_config(overrides=[f"scheduler.max_running_requests={max_running}",
                                  f"scheduler.max_prefill_tokens={max_prefill}"]).scheduler
-    sched = Scheduler(cfg, need + 1 + extra_pages, page, 4096, max_running, {2}, "radix", debug_checks=True)
+    sched = Scheduler(cfg, need + 1 + extra_pages, page, 4096, max_running, "radix", debug_checks=True)
     for r in reqs:
         sched.add(r)
     engine = KVCheckingEngine(page, max_running)
     done = []
-    run_until_idle(sched, engine, overlap, done.append)
+    run_until_idle(sched, engine, OutputProcessor({2}, max_running), overlap, done.append)
     assert sorted(r.uid for r in done) == list(range(len(reqs)))
     for r in reqs:
         seq = list(r.prompt_ids)
@@ -232,18 +236,56 @@ def test_later_requests_reuse_a_running_requests_prompt(overlap):
     from runtime.batch import Req
     from runtime.config import load_config
     from runtime.loop import run_until_idle
+    from runtime.output import OutputProcessor
     from runtime.scheduler import Scheduler
 
     cfg = load_config(overrides=["scheduler.max_running_requests=4", "scheduler.max_prefill_tokens=41"]).scheduler
-    sched = Scheduler(cfg, 64, 4, 4096, 4, {2}, "radix", debug_checks=True)
+    sched = Scheduler(cfg, 64, 4, 4096, 4, "radix", debug_checks=True)
     reqs = [Req(uid, BASES[1][:40] + [60 + uid], SamplingParams(temperature=0, max_new_tokens=20), 20)
             for uid in range(4)]
     for r in reqs:
         sched.add(r)
     engine = KVCheckingEngine(4, 4)
-    run_until_idle(sched, engine, overlap, lambda r: None)
+    run_until_idle(sched, engine, OutputProcessor({2}, 4), overlap, lambda r: None)
     # The first prompt fills step 1's 41-token budget; in step 2 the other three find its 40 shared
     # tokens cached (it is still running) and compute only their last token.
     assert sched.stats.cached_tokens == 3 * 40
     assert sched.stats.prefill_tokens == 41 + 3 * 1
     assert all(r.finish_reason == "length" for r in reqs)
+
+
+def test_admission_that_cannot_fit_leaves_the_cache_alone():
+    """7 pages needed, 2 free + 4 evictable: not admitted, and nothing is evicted for nothing."""
+    from runtime.batch import Req
+    from runtime.scheduler.cache_manager import CacheManager
+
+    pages = CacheManager(num_pages=1 + 6, page_size=4, cache_type="radix")
+    cached = pages.allocator.alloc(4)
+    pages.cache.insert(list(range(100, 116)), cached)  # 4 evictable pages of an unrelated prompt
+    assert (pages.allocator.num_free, pages.cache.evictable_pages) == (2, 4)
+    big = Req(0, list(range(20)), SamplingParams(max_new_tokens=9), 9)  # (20 + 9 - 1) / 4 = 7 pages
+    assert pages.pages_for(big) == 7
+    assert not pages.admit(big)
+    assert (pages.allocator.num_free, pages.cache.evictable_pages) == (2, 4)
+    small = Req(1, list(range(20)), SamplingParams(max_new_tokens=1), 1)  # 5 pages: evicts the cached leaf
+    assert pages.admit(small) and pages.allocator.num_free == 1 and pages.cache.evictable_pages == 0
+    pages.check_integrity([small])
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_request_finishing_in_its_prefill_step_does_not_pin_the_cache(overlap):
+    from runtime.batch import Req
+    from runtime.config import load_config
+    from runtime.loop import run_until_idle
+    from runtime.output import OutputProcessor
+    from runtime.scheduler import Scheduler
+
+    cfg = load_config(overrides=["scheduler.max_running_requests=4"]).scheduler
+    sched = Scheduler(cfg, 64, 4, 4096, 4, "radix", debug_checks=True)
+    reqs = [Req(uid, BASES[0][:12] + [60 + uid], SamplingParams(temperature=0, max_new_tokens=1), 1) for uid in range(4)]
+    for r in reqs:
+        sched.add(r)
+    run_until_idle(sched, KVCheckingEngine(4, 4), OutputProcessor({2}, 4), overlap, lambda r: None)
+    assert all(r.finish_reason == "length" for r in reqs)
+    assert sched.cache.root.ref == 1  # only the root's own permanent reference
+    assert sched.cache.evictable_pages == sched.cache.tree_pages > 0

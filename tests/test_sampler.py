@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from runtime.batch import Batch
-from runtime.sampler import Sampler, counter_uniform, filter_top_k_top_p
+from runtime.engine.sampler import Sampler, counter_uniform, filter_top_k_top_p
 
 CPU = torch.device("cpu")
 MARGIN = 1e-3  # how far (in logit / probability-mass units) a row must be from any set boundary

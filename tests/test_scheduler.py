@@ -25,8 +25,9 @@ from hypothesis import strategies as hs
 from runtime.batch import Batch, Req
 from runtime.config import SchedulerSection, load_config
 from runtime.engine import ForwardOutput
-from runtime.kv_cache import DUMMY_PAGE
+from runtime.engine.kv_cache import DUMMY_PAGE
 from runtime.loop import run_until_idle
+from runtime.output import OutputProcessor
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler
 
@@ -268,7 +269,7 @@ def run_workload(
     specs: list[Spec], *, overlap: bool, max_running: int = 4, max_prefill: int = 64, num_pages: int = 256,
     page_size: int = 4,
 ) -> Run:
-    s = Scheduler(scheduler_cfg(max_running, max_prefill), num_pages, page_size, MAX_SEQ_LEN, max_running, EOS_IDS)
+    s = Scheduler(scheduler_cfg(max_running, max_prefill), num_pages, page_size, MAX_SEQ_LEN, max_running)
     reqs = [Req(sp.uid, sp.prompt(), SamplingParams(temperature=0.0, max_new_tokens=sp.max_new), sp.max_new)
             for sp in specs]
     for r in reqs:
@@ -283,7 +284,7 @@ def run_workload(
         check_resources(s)
         finished.append(req.uid)
 
-    run_until_idle(s, engine, overlap, on_finish, engine.on_batch)
+    run_until_idle(s, engine, OutputProcessor(EOS_IDS, max_running), overlap, on_finish, engine.on_batch)
     run = Run(s, engine, reqs, specs, finished, overlap)
     check_run(run)
     return run
@@ -425,7 +426,7 @@ def test_requests_wait_for_pages_in_a_tiny_pool(overlap, num_pages):
 
 
 def test_add_rejects_a_request_that_can_never_fit():
-    s = Scheduler(scheduler_cfg(4, 64), 4, 4, MAX_SEQ_LEN, 4, EOS_IDS)  # 3 usable pages = 12 KV tokens
+    s = Scheduler(scheduler_cfg(4, 64), 4, 4, MAX_SEQ_LEN, 4)  # 3 usable pages = 12 KV tokens
     fits = Req(0, list(range(10, 20)), SamplingParams(max_new_tokens=3), 3)  # 10 + 3 - 1 = 12 tokens
     too_big = Req(1, list(range(10, 20)), SamplingParams(max_new_tokens=4), 4)  # 13 tokens: 4 pages
     with pytest.raises(ValueError, match="4 KV pages"):
@@ -437,7 +438,7 @@ def test_add_rejects_a_request_that_can_never_fit():
 
 def test_a_rejected_request_does_not_disturb_the_others():
     specs = [Spec(0, 10, 3, eos_at=1), Spec(1, 10, 3)]
-    s = Scheduler(scheduler_cfg(4, 64), 4, 4, MAX_SEQ_LEN, 4, EOS_IDS)
+    s = Scheduler(scheduler_cfg(4, 64), 4, 4, MAX_SEQ_LEN, 4)
     with pytest.raises(ValueError):
         s.add(Req(9, list(range(10, 30)), SamplingParams(max_new_tokens=1), 1))
     reqs = [Req(sp.uid, sp.prompt(), SamplingParams(max_new_tokens=sp.max_new), sp.max_new) for sp in specs]
@@ -445,7 +446,7 @@ def test_a_rejected_request_does_not_disturb_the_others():
         s.add(r)
     engine = FakeEngine(s, Script(specs), max_steps=100)
     done: list[int] = []
-    run_until_idle(s, engine, True, lambda r: done.append(r.uid), engine.on_batch)
+    run_until_idle(s, engine, OutputProcessor(EOS_IDS, 4), True, lambda r: done.append(r.uid), engine.on_batch)
     run = Run(s, engine, reqs, specs, done, True)
     check_run(run)
 

@@ -140,7 +140,7 @@ def memory_agreement(rank: int, model_dir: str) -> dict:
 
 def test_ranks_with_different_free_memory_agree_on_pages(tp_tiny_dir):
     from models.config import ModelConfig
-    from runtime.kv_cache import compute_num_pages, page_bytes
+    from runtime.engine.kv_cache import compute_num_pages, page_bytes
 
     ranks = run_ranks(2, memory_agreement, tp_tiny_dir)
     for r in ranks:

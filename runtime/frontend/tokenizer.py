@@ -61,14 +61,3 @@ class IncrementalDetokenizer:
         self.prefix, self.read = self.read, len(self.ids)
         self.text += new
         return new
-
-
-def find_stop(text: str, new_len: int, stops: list[str]) -> int:
-    """Index in ``text`` where the earliest stop string that the last ``new_len`` characters completed starts, or -1."""
-    best = -1
-    for stop in stops:
-        start = max(0, len(text) - new_len - len(stop) + 1)
-        at = text.find(stop, start)
-        if at != -1 and (best == -1 or at < best):
-            best = at
-    return best

@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runtime.attention import host_to_device
+from models.context import get_ctx
 from runtime.batch import Batch
-from runtime.context import get_ctx
-from runtime.kv_cache import KVCache
+from runtime.engine.kv_cache import KVCache
+from runtime.utils import concat_ranges, host_to_device
 
 WORKSPACE_BYTES = 128 << 20
 
@@ -28,6 +28,8 @@ def paged_layout(kv_lens: np.ndarray, page_size: int) -> tuple[np.ndarray, np.nd
 
 
 class FlashInferBackend:
+    supports_graphs = True
+
     def __init__(
         self, kv_cache: KVCache, page_table: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim: int,
         dtype: torch.dtype,
@@ -55,7 +57,7 @@ class FlashInferBackend:
     def _indices(self, batch: Batch, num_pages: np.ndarray) -> torch.Tensor:
         """Page ids of every request, concatenated, gathered from the device page table."""
         rows = np.repeat(batch.rows, num_pages)
-        cols = np.arange(len(rows)) - np.repeat(np.cumsum(num_pages) - num_pages, num_pages)
+        cols = concat_ranges(num_pages)
         idx = host_to_device(np.stack((rows, cols)).astype(np.int64), self.device)
         return self.page_table[idx[0], idx[1]]
 
@@ -92,7 +94,7 @@ class FlashInferBackend:
         return self.active.run(q.contiguous(), (self.kv_cache.k(layer_id), self.kv_cache.v(layer_id)))
 
     # CUDA graphs: one decode wrapper per captured batch size, over static index buffers.
-    def init_graph_wrapper(self, bs: int, max_pages_per_req: int) -> None:
+    def init_graph(self, bs: int, max_pages_per_req: int) -> None:
         dev = self.device
         self.graph_decode[bs] = self.fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,

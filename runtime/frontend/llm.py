@@ -8,18 +8,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
-from models.config import ModelConfig
-from models.default_model import resolve_model_path
 from parallel.state import get_tp
 from runtime.batch import Batch, Req
 from runtime.broadcast import send_batch
 from runtime.config import RuntimeConfig, load_config
 from runtime.engine import Engine
+from runtime.frontend.signals import Drain
+from runtime.frontend.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
 from runtime.loop import run_until_idle
+from runtime.output import OutputProcessor
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler
-from runtime.signals import Drain
-from runtime.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
 
 Prompt = Union[str, list[int], list[dict[str, str]]]
 
@@ -43,16 +42,15 @@ class LLM:
         if model is not None:
             cfg.model.path = model
         self.cfg = cfg
-        self.model_dir = resolve_model_path(cfg.model.path)
-        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.engine = Engine.from_config(cfg)
+        self.model_dir, self.model_config = self.engine.model_dir, self.engine.model_config
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_ids = eos_token_ids(self.model_dir, self.tokenizer)
-        self.engine = Engine(cfg, self.model_dir, self.model_config)
         e = self.engine
         self.scheduler = Scheduler(
-            cfg.scheduler, e.num_pages, e.page_size, e.max_seq_len, e.dummy_row, self.eos_ids,
-            cfg.cache.type, cfg.cache.debug_checks,
+            cfg.scheduler, e.num_pages, e.page_size, e.max_seq_len, e.dummy_row, cfg.cache.type, cfg.cache.debug_checks,
         )
+        self.outputs = OutputProcessor(self.eos_ids, e.dummy_row)
         self._next_uid = 0
         self.last_stats: dict[str, float] = {}
         self.drain: Drain | None = None  # set by the launcher to drain on SIGTERM/SIGUSR1
@@ -88,6 +86,10 @@ class LLM:
 
     def make_request(self, prompt: Prompt, params: SamplingParams) -> Req:
         ids = self.encode(prompt)
+        if not ids:  # e.g. whitespace with a tokenizer that adds no BOS: there is no position to sample from
+            raise ValueError("prompt encodes to zero tokens")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings {params.stop} need a tokenizer; model directory {self.model_dir} has none")
         limit = self.engine.max_seq_len
         if len(ids) >= limit:
             raise ValueError(
@@ -97,7 +99,7 @@ class LLM:
         uid = self._next_uid
         self._next_uid += 1
         req = Req(uid, ids, params, min(params.max_new_tokens, limit - len(ids)), run_seed=self.cfg.engine.seed)
-        if params.stop and self.tokenizer is not None:
+        if params.stop:
             req.detok = IncrementalDetokenizer(self.tokenizer)
         return req
 
@@ -108,13 +110,23 @@ class LLM:
     def generate(
         self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[RequestOutput]:
-        """Generate for every prompt; results come back in input order, a failed request as its error."""
+        """Generate for every prompt; results come back in input order, a failed request as its error.
+
+        ``sampling_params`` may also be a dict (or a list of dicts) of SamplingParams fields.
+        """
+        if isinstance(prompts, dict):
+            raise TypeError("a single chat message must be wrapped in a list: generate([{'role': ..., 'content': ...}])")
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = self.default_sampling()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if isinstance(sampling_params, (SamplingParams, dict)):
+            sampling_params = [sampling_params] * len(prompts)
+        params = [SamplingParams.from_dict(p, self.default_sampling()) if isinstance(p, dict) else p
+                  for p in sampling_params]
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise TypeError("sampling_params must be SamplingParams, a dict of its fields, or a list of either")
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")
         return self.run([(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))])
@@ -131,8 +143,10 @@ class LLM:
                 req = self.make_request(prompt, params)
                 req.index = position
                 self.scheduler.add(req)
-            except ValueError as exc:
-                outputs[position] = RequestOutput(index=position, error=str(exc))
+            except Exception as exc:  # noqa: BLE001 - any failure of one request (a chat template's own
+                # TemplateError, a tokenizer error) is that request's error, never the whole run's
+                message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+                outputs[position] = RequestOutput(index=position, error=message)
                 if on_result is not None:
                     on_result(key, outputs[position])
 
@@ -158,7 +172,7 @@ class LLM:
 
         start = time.perf_counter()
         completed = run_until_idle(
-            self.scheduler, self.engine, self.cfg.scheduler.overlap, finish, publish, self.drain,
+            self.scheduler, self.engine, self.outputs, self.cfg.scheduler.overlap, finish, publish, self.drain,
             self.cfg.job.drain_timeout_s,
         )
         self.interrupted = not completed

@@ -1,9 +1,9 @@
-"""The engine: the data plane of the walkthrough (load, size the KV cache, run a step, sample).
+"""The engine: the data plane on every rank (load, size the KV cache, run a step, sample).
 
 Every rank runs an Engine; only rank 0 also runs the scheduler. ``forward_batch``
 returns at once with ``ForwardOutput(next_tokens_gpu, next_tokens_cpu,
 copy_done_event)``: the device-to-host copy of the tokens is enqueued on the
-engine stream and only the consumer waits for it.
+engine stream and only the consumer waits for it (ARCHITECTURE.md, "One step").
 """
 
 from __future__ import annotations
@@ -17,18 +17,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models import ops
 from models.config import ModelConfig
-from models.loader import load_model
+from models.context import ForwardContext
+from models.ops import FLASHINFER_KERNELS, TORCH_KERNELS
+from models.weights.default_model import resolve_model_path
+from models.weights.loader import load_model
 from parallel.custom_all_reduce import make_custom_all_reduce
 from parallel.distributed import agree_on_memory
 from parallel.state import assert_same_on_all_ranks, get_cpu_group, get_device_group, get_tp, set_custom_all_reduce
-from runtime.attention import host_to_device
 from runtime.batch import Batch
 from runtime.config import RuntimeConfig
-from runtime.context import ForwardContext, set_ctx
-from runtime.kv_cache import DUMMY_PAGE, KVCache, compute_num_pages, page_bytes
-from runtime.sampler import Sampler
+from runtime.engine.attention import make_attention_backend
+from runtime.engine.kv_cache import DUMMY_PAGE, KVCache, compute_num_pages, page_bytes
+from runtime.engine.sampler import Sampler
+from runtime.utils import concat_ranges, host_to_device
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +42,11 @@ class ForwardOutput:
     copy_done_event: torch.cuda.Event | None  # None on CPU, where the copy is synchronous
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise RuntimeError("engine.device=cuda but CUDA is not available on this machine")
-        return torch.device("cuda", get_tp().local_rank)
-    return torch.device("cpu")
+def wants_cuda(device: str) -> bool:
+    """``engine.device``: ``auto`` means CUDA when this machine has it (the one place this is decided)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("engine.device=cuda but CUDA is not available on this machine")
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -59,10 +58,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class Engine:
     def __init__(self, cfg: RuntimeConfig, model_dir: Path, model_config: ModelConfig) -> None:
         self.cfg = cfg
+        self.model_dir = model_dir
         self.model_config = model_config
-        self.device = resolve_device(cfg.engine.device)
+        on_gpu = wants_cuda(cfg.engine.device)
+        self.device = torch.device("cuda", get_tp().local_rank) if on_gpu else torch.device("cpu")
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
-        on_gpu = self.device.type == "cuda"
         if on_gpu:
             torch.cuda.set_device(self.device)
         self.stream = torch.cuda.Stream(self.device) if on_gpu else None
@@ -73,16 +73,14 @@ class Engine:
         self.tp_size = get_tp().size
         self.dummy_row = self.max_running  # the extra last row: padding and discarded samples
 
-        kernels = cfg.engine.kernels
-        use_fi = on_gpu if kernels == "auto" else kernels == "flashinfer"
+        use_fi = on_gpu if cfg.engine.kernels == "auto" else cfg.engine.kernels == "flashinfer"
         if use_fi and not on_gpu:
             raise ValueError("engine.kernels=flashinfer needs a CUDA device")
-        ops.use_flashinfer(use_fi)
-
         free_before = self._free_memory()
         self.model = load_model(
             model_dir, model_config, self.device, self.dtype, self.max_seq_len + 1,
             random_seed=cfg.engine.seed if cfg.model.random_weights else None,
+            kernels=FLASHINFER_KERNELS if use_fi else TORCH_KERNELS,
         )
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         log.info(
@@ -99,41 +97,38 @@ class Engine:
         self.page_table = torch.full((rows, self.max_pages_per_req), DUMMY_PAGE, dtype=torch.int32, device=self.device)
         # Token ids live on the device so decode reads its input without waiting for the host.
         self.token_pool = torch.zeros(rows, self.max_seq_len + 1, dtype=torch.int32, device=self.device)
-
-        backend = cfg.engine.attention_backend
-        if backend == "auto":
-            backend = "flashinfer" if on_gpu else "torch"
-        if backend == "flashinfer":
-            if not on_gpu:
-                raise ValueError("engine.attention_backend=flashinfer needs a CUDA device")
-            from runtime.attention.flashinfer_backend import FlashInferBackend
-
-            self.attn_backend = FlashInferBackend(
-                self.kv_cache, self.page_table, heads.num_heads, heads.num_kv_heads, model_config.head_dim, self.dtype
-            )
-        else:
-            from runtime.attention.torch_backend import TorchAttentionBackend
-
-            self.attn_backend = TorchAttentionBackend(self.kv_cache, self.page_table, model_config.head_dim)
-        self.ctx = ForwardContext(self.attn_backend, use_fi)
-        set_ctx(self.ctx)
+        self.attn_backend = make_attention_backend(
+            cfg.engine.attention_backend, self.kv_cache, self.page_table, heads.num_heads, heads.num_kv_heads,
+            model_config.head_dim, self.dtype,
+        )
+        self.ctx = ForwardContext(self.attn_backend)
         self.sampler = Sampler(model_config.vocab_size, self.device, use_fi, cfg.engine.seed)
-        # Decode-sized all-reduces (up to the largest decode batch) skip NCCL; set before graph capture.
+        self._setup_collectives_and_graphs()
+
+    def _setup_collectives_and_graphs(self) -> None:
+        """The custom all-reduce first (the graphs capture it), then the decode CUDA graphs."""
+        cfg = self.cfg
         decode_tokens = max(min(cfg.engine.cuda_graph_max_bs or self.max_running, self.max_running), 1)
         self.custom_all_reduce = make_custom_all_reduce(
             cfg.parallel.all_reduce, get_device_group(), get_cpu_group(), self.tp_size, self.device, self.dtype,
-            decode_tokens * model_config.hidden_size * self.dtype.itemsize,
+            decode_tokens * self.model_config.hidden_size * self.dtype.itemsize,
         )
         set_custom_all_reduce(self.custom_all_reduce)
         self.check_tokens = cfg.parallel.check_tokens and self.tp_size > 1
         self.graph_runner = None
-        if on_gpu and backend == "flashinfer" and cfg.engine.cuda_graph_max_bs > 0:
-            from runtime.graph import GraphRunner
+        if self.stream is not None and self.attn_backend.supports_graphs and cfg.engine.cuda_graph_max_bs > 0:
+            from runtime.engine.graph import GraphRunner
 
             with torch.cuda.stream(self.stream):
                 self.graph_runner = GraphRunner(self, min(cfg.engine.cuda_graph_max_bs, self.max_running))
-        if on_gpu:
+        if self.stream is not None:
             torch.cuda.synchronize(self.device)
+
+    @classmethod
+    def from_config(cls, cfg: RuntimeConfig) -> Engine:
+        """This rank's engine for ``cfg.model.path`` (``default`` = the embedded model)."""
+        model_dir = resolve_model_path(cfg.model.path)
+        return cls(cfg, model_dir, ModelConfig.from_dir(model_dir))
 
     # ---- memory ---------------------------------------------------------------------------------------
     def _free_memory(self, placed_bytes: int = 0) -> int:
@@ -180,16 +175,14 @@ class Engine:
         Everything the host contributes travels in one pinned copy; the rest is device-side indexing.
         """
         ext = batch.ext_lens
-        n_tok = int(ext.sum())
         if batch.is_decode:
             tok_rows, tok_pos = batch.rows, batch.starts
         else:
-            tok_rows = np.repeat(batch.rows, ext)
-            tok_pos = np.arange(n_tok) - np.repeat(np.cumsum(ext) - ext - batch.starts, ext)
+            tok_rows, tok_pos = np.repeat(batch.rows, ext), concat_ranges(ext, batch.starts)
         adm_tok_rows = np.repeat(batch.admit_rows, batch.admit_token_lens)
-        adm_tok_cols = _ranges(batch.admit_token_lens)
+        adm_tok_cols = concat_ranges(batch.admit_token_lens)
         adm_page_rows = np.repeat(batch.admit_rows, batch.admit_page_lens)
-        adm_page_cols = _ranges(batch.admit_page_lens)
+        adm_page_cols = concat_ranges(batch.admit_page_lens)
         parts = [
             tok_rows, tok_pos, batch.sample_rows, batch.kv_lens, np.cumsum(ext) - 1,
             adm_tok_rows, adm_tok_cols, batch.admit_tokens, adm_page_rows, adm_page_cols, batch.admit_pages,
@@ -253,8 +246,3 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-
-def _ranges(lengths: np.ndarray) -> np.ndarray:
-    """Concatenated ``arange(n)`` for each n in ``lengths``."""
-    total = int(lengths.sum())
-    return np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps (the walkthrough's GraphRunner).
+"""CUDA graphs for decode steps (the GraphRunner of ARCHITECTURE.md).
 
 Batch sizes ``[1, 2, 4, 8, 16, 24, ...]`` up to a maximum are captured largest
 first into one shared memory pool, each after a warm-up run. Inputs live in
@@ -70,7 +70,7 @@ class GraphRunner:
         e = self.engine
         pool = None
         for bs in sorted(self.bs_list, reverse=True):
-            e.attn_backend.init_graph_wrapper(bs, e.max_pages_per_req)
+            e.attn_backend.init_graph(bs, e.max_pages_per_req)
             batch = self._dummy_batch(bs)
             e.attn_backend.prepare_graph(batch)
             with e.ctx.forward_batch(batch):

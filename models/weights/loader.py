@@ -17,6 +17,7 @@ from torch import nn
 from models.config import ModelConfig
 from models.layers import FullTensor, load_replicated
 from models.llama import LlamaForCausalLM
+from models.ops import TORCH_KERNELS, Kernels
 
 
 def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
@@ -42,12 +43,12 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 def load_model(
     path: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int,
-    random_seed: int | None = None,
+    random_seed: int | None = None, kernels: Kernels = TORCH_KERNELS,
 ) -> LlamaForCausalLM:
     """The model with weights from ``path``'s safetensors, or random ones when ``random_seed`` is given."""
     path = Path(path)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, kernels)
     materialize(model, device, dtype)
     if random_seed is not None:
         randomize(model, random_seed)

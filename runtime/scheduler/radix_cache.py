@@ -5,7 +5,7 @@ and the pages that hold their KV. A running request locks the path it matched
 (reference counts up to the root); unreferenced leaves are evicted least
 recently used first when the allocator runs short. Pages move between three
 disjoint owners: the allocator (free), the tree, and running requests
-(private pages not yet in the tree); ``check`` verifies that.
+(private pages not yet in the tree); the cache manager's integrity check verifies that.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from runtime.kv_cache import PageAllocator
+from runtime.scheduler.pages import PageAllocator
 
 _clock = itertools.count()
 
@@ -42,25 +42,29 @@ class RadixCache:
     def _chunk(self, tokens: tuple[int, ...] | list[int], i: int) -> tuple[int, ...]:
         return tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
 
-    def match(self, tokens: list[int]) -> tuple[list[int], Node]:
-        """Pages of the longest cached page-aligned prefix of ``tokens``, and the node where it ends."""
-        node, pages, i = self.root, [], 0
-        n_chunks = len(tokens) // self.page_size
+    def _walk(self, tokens: list[int] | tuple[int, ...], n_chunks: int) -> tuple[Node, int, list[tuple[Node, int]]]:
+        """Follow the longest cached prefix of the first ``n_chunks`` pages of ``tokens``, splitting a node
+        that matches only in part; returns the last node, the pages matched, and each (node, first page)."""
+        node, i, path = self.root, 0, []
         stamp = next(_clock)
         while i < n_chunks:
             child = node.children.get(self._chunk(tokens, i))
             if child is None:
                 break
             k = 0  # whole pages of the child that match
-            child_chunks = len(child.pages)
-            while k < child_chunks and i + k < n_chunks and self._chunk(child.tokens, k) == self._chunk(tokens, i + k):
+            while k < len(child.pages) and i + k < n_chunks and self._chunk(child.tokens, k) == self._chunk(tokens, i + k):
                 k += 1
-            if k < child_chunks:
+            if k < len(child.pages):
                 child = self._split(child, k)
             child.last_used = stamp
-            pages.extend(child.pages)
+            path.append((child, i))
             node, i = child, i + k
-        return pages, node
+        return node, i, path
+
+    def match(self, tokens: list[int]) -> tuple[list[int], Node]:
+        """Pages of the longest cached page-aligned prefix of ``tokens``, and the node where it ends."""
+        node, _, path = self._walk(tokens, len(tokens) // self.page_size)
+        return [p for n, _ in path for p in n.pages], node
 
     def _split(self, node: Node, k: int) -> Node:
         """Cut ``node`` after its first ``k`` pages; returns the new upper part."""
@@ -91,25 +95,13 @@ class RadixCache:
         """Add a page-aligned sequence whose KV sits in ``pages``; returns the caller's pages that
         turned out to duplicate cached ones (same tokens, other pages), which the caller frees."""
         assert len(tokens) == len(pages) * self.page_size
-        node, i, duplicates = self.root, 0, []
-        stamp = next(_clock)
-        while i < len(pages):
-            child = node.children.get(self._chunk(tokens, i))
-            if child is None:
-                new = Node(tuple(tokens[i * self.page_size :]), list(pages[i:]), node, {}, 0, stamp)
-                node.children[self._chunk(tokens, i)] = new
-                self.tree_pages += len(new.pages)
-                self.evictable_pages += len(new.pages)
-                return duplicates
-            k = 0
-            while k < len(child.pages) and i + k < len(pages) and \
-                    self._chunk(child.tokens, k) == self._chunk(tokens, i + k):
-                k += 1
-            if k < len(child.pages):
-                child = self._split(child, k)
-            duplicates.extend(p for p, q in zip(pages[i : i + k], child.pages) if p != q)
-            child.last_used = stamp
-            node, i = child, i + k
+        node, i, path = self._walk(tokens, len(pages))
+        duplicates = [p for n, start in path for p, q in zip(pages[start : start + len(n.pages)], n.pages) if p != q]
+        if i < len(pages):
+            new = Node(tuple(tokens[i * self.page_size :]), list(pages[i:]), node, {}, 0, next(_clock))
+            node.children[self._chunk(tokens, i)] = new
+            self.tree_pages += len(new.pages)
+            self.evictable_pages += len(new.pages)
         return duplicates
 
     def evict(self, n_pages: int) -> int:
@@ -146,3 +138,10 @@ class RadixCache:
             out.append(node)
             stack.extend(node.children.values())
         return out
+
+    def held_pages(self) -> tuple[list[int], set[int]]:
+        """(every page the tree holds, the pinned ones); also checks the evictable count."""
+        nodes = self.nodes()
+        evictable = sum(len(n.pages) for n in nodes if n.ref == 0)
+        assert evictable == self.evictable_pages, (evictable, self.evictable_pages)
+        return [p for n in nodes for p in n.pages], {p for n in nodes if n.ref > 0 for p in n.pages}

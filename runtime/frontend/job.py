@@ -1,17 +1,24 @@
 """Resumable JSONL jobs: rows in, one result row per input id out.
 
 Input rows are ``{"id", "prompt"}`` or ``{"id", "messages"}`` with an optional
-``"sampling"`` object. Results are appended to the output as they complete, one
-whole line each (a torn last line from a killed run is cut off on resume).
-Rows that cannot be served go to the errors file and the job goes on. A rerun
-skips every id already in the output (and every error already recorded), so a
-job killed at any moment and rerun ends with exactly one row per input id.
+``"sampling"`` object; an id is a string or an integer (``1.0`` is the id ``1``).
+Results are appended to the output as they complete, one whole line each (a torn
+last line from a killed run is cut off on resume; other unreadable lines are
+skipped with a warning). Rows that cannot be served, for whatever reason, go to the
+errors file with their line number and the job goes on.
+
+What a rerun does: it skips every id already in the output and serves every other
+row, including rows that failed before (their error may have come from the config,
+such as a prompt longer than ``model.max_seq_len``). Each run rewrites the errors
+file, so it lists the rows that failed in the latest run. A job killed at any moment
+and rerun ends with exactly one row per input id.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -55,13 +62,31 @@ class JobPaths:
         )
 
 
+log = logging.getLogger(__name__)
+
+
 def read_rows(path: Path, defaults: SamplingParams, chat_template: bool) -> Iterator[JobRow]:
     seen: set[str] = set()
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield JobRow(line_no, None, error=f"{path}:{line_no} is not valid UTF-8 "
+                                                  f"(byte 0x{raw[exc.start]:02x} at column {exc.start + 1})")
+                continue
             if not line.strip():
                 continue
             yield _parse_row(line, line_no, defaults, chat_template, seen)
+
+
+def normalize_id(value: Any) -> str | int | None:
+    """A row id as a string or an integer; None when it is neither (booleans, fractions, objects)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value if isinstance(value, (str, int)) else None
 
 
 def _parse_row(line: str, line_no: int, defaults: SamplingParams, chat_template: bool, seen: set[str]) -> JobRow:
@@ -71,27 +96,33 @@ def _parse_row(line: str, line_no: int, defaults: SamplingParams, chat_template:
         return JobRow(line_no, None, error=f"line {line_no} is not valid JSON: {exc.msg} at column {exc.colno}")
     if not isinstance(row, dict):
         return JobRow(line_no, None, error=f"line {line_no} must be a JSON object")
-    row_id = row.get("id")
-    if row_id is None or isinstance(row_id, (dict, list)):
-        return JobRow(line_no, None, error=f"line {line_no} has no usable 'id' (a string or number)")
+    row_id = normalize_id(row.get("id"))
+    if row_id is None:
+        return JobRow(line_no, None, error=f"line {line_no} has no usable 'id' (a string or an integer): {row.get('id')!r}")
     key = json.dumps(row_id)
     if key in seen:
         return JobRow(line_no, row_id, error=f"line {line_no}: duplicate id {row_id!r}")
     seen.add(key)
     if ("prompt" in row) == ("messages" in row):
-        return JobRow(line_no, row_id, error="a row needs exactly one of 'prompt' or 'messages'")
+        return JobRow(line_no, row_id, error=f"line {line_no}: a row needs exactly one of 'prompt' or 'messages'")
     prompt = row.get("prompt", row.get("messages"))
+    if isinstance(prompt, str) and not prompt.strip():
+        return JobRow(line_no, row_id, error=f"line {line_no}: the prompt is empty")
     if isinstance(prompt, str) and chat_template and "prompt" in row:
         prompt = [{"role": "user", "content": prompt}]
+    sampling = row.get("sampling", {})
+    if not isinstance(sampling, dict):
+        return JobRow(line_no, row_id, error=f"line {line_no}: 'sampling' must be an object, not {sampling!r}")
     try:
-        sampling = SamplingParams.from_dict(row.get("sampling") or {}, base=defaults)
+        sampling = SamplingParams.from_dict(sampling, base=defaults)
     except (TypeError, ValueError) as exc:
-        return JobRow(line_no, row_id, error=str(exc))
+        return JobRow(line_no, row_id, error=f"line {line_no}: {exc}")
     return JobRow(line_no, row_id, prompt=prompt, sampling=sampling)
 
 
-def done_keys(path: Path, error_file: bool) -> set[str]:
-    """Keys of the rows a previous run wrote; a torn last line (killed mid-write) is cut off first."""
+def done_ids(path: Path) -> set[str]:
+    """Ids (as JSON keys) of the rows a previous run wrote. A torn last line (killed mid-write) is cut
+    off; a complete line that is not a row (blank, zero-filled after a crash) is skipped with a warning."""
     if not path.exists():
         return set()
     data = path.read_bytes()
@@ -100,18 +131,22 @@ def done_keys(path: Path, error_file: bool) -> set[str]:
         with open(path, "r+b") as f:
             f.truncate(len(whole))
     keys = set()
-    for line in whole.decode("utf-8").splitlines():
-        row = json.loads(line)
-        keys.add(row["key"] if error_file else json.dumps(row["id"]))
+    for line_no, line in enumerate(whole.split(b"\n")[:-1], 1):
+        try:
+            row = json.loads(line)
+            keys.add(json.dumps(normalize_id(row["id"])))
+        except (ValueError, KeyError, TypeError):
+            if line.strip(b" \t\r\x00"):
+                log.warning("%s:%d is not a result row; ignored (that id, if any, is served again)", path, line_no)
     return keys
 
 
 class JsonlAppender:
     """Appends whole lines; flushes each, fsyncs at a cadence and on close."""
 
-    def __init__(self, path: Path, fsync_every_s: float) -> None:
+    def __init__(self, path: Path, fsync_every_s: float, mode: str = "a") -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(path, "a", encoding="utf-8")
+        self.file = open(path, mode, encoding="utf-8")
         self.fsync_every_s = fsync_every_s
         self.last_sync = time.monotonic()
 
@@ -152,19 +187,22 @@ def run_job(llm: Any, config_yaml: str) -> dict[str, Any]:
     paths = JobPaths.from_config(job)
     if not paths.input.is_file():
         raise FileNotFoundError(f"job.input={paths.input} does not exist")
+    if len({paths.input.resolve(), paths.output.resolve(), paths.errors.resolve()}) < 3:
+        raise ValueError(f"job.input, job.output and job.errors must be three different files ({paths.input})")
     rows = list(read_rows(paths.input, llm.default_sampling(), job.chat_template))
-    done = done_keys(paths.output, error_file=False) | done_keys(paths.errors, error_file=True)
-    todo = [r for r in rows if r.key not in done]
+    done = done_ids(paths.output)
+    todo = [r for r in rows if r.error is not None or r.key not in done]
     paths.config.parent.mkdir(parents=True, exist_ok=True)
     paths.config.write_text(config_yaml)
-    outputs, errors = JsonlAppender(paths.output, job.fsync_every_s), JsonlAppender(paths.errors, job.fsync_every_s)
+    outputs = JsonlAppender(paths.output, job.fsync_every_s)
+    errors = JsonlAppender(paths.errors, job.fsync_every_s, mode="w")  # the latest run's failures
     counts = {"ok": 0, "errors": 0, "input_tokens": 0, "output_tokens": 0}
     latencies: list[float] = []
     start = time.perf_counter()
     bar = _progress(len(todo), job.progress)
 
-    def record_error(row: JobRow | None, key: str, row_id: Any, message: str) -> None:
-        errors.write({"id": row_id, "key": key, "error": message})
+    def record_error(row: JobRow, key: str, row_id: Any, message: str) -> None:
+        errors.write({"id": row_id, "line": row.line, "key": key, "error": message})
         counts["errors"] += 1
         bar.update(1)
 

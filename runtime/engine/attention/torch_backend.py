@@ -12,10 +12,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runtime.attention import host_to_device
+from models.context import get_ctx
 from runtime.batch import Batch
-from runtime.context import get_ctx
-from runtime.kv_cache import KVCache
+from runtime.engine.kv_cache import KVCache
+from runtime.utils import host_to_device
 
 
 @dataclass
@@ -27,6 +27,8 @@ class TorchAttnMeta:
 
 
 class TorchAttentionBackend:
+    supports_graphs = False  # its metadata is rebuilt by host work every step
+
     def __init__(self, kv_cache: KVCache, page_table: torch.Tensor, head_dim: int) -> None:
         self.kv_cache = kv_cache
         self.page_table = page_table
@@ -72,3 +74,9 @@ class TorchAttentionBackend:
         )
         return out.transpose(1, 2).reshape(-1, heads, dim)[meta.out_index]
 
+
+    def init_graph(self, bs: int, max_pages_per_req: int) -> None:
+        raise NotImplementedError("the torch attention backend does not serve CUDA graphs")
+
+    def prepare_graph(self, batch: Batch) -> None:
+        raise NotImplementedError("the torch attention backend does not serve CUDA graphs")

@@ -1,4 +1,4 @@
-"""Token sampling: the walkthrough's Sampler (prepare / sample), flashinfer on GPU, torch elsewhere.
+"""Token sampling: the Sampler (prepare / sample), flashinfer on GPU, torch elsewhere.
 
 Semantics, shared by both paths: temperature 0 is greedy (exact argmax); else
 softmax(logits / T), then top-k, then top-p over the renormalised top-k mass,
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from runtime.attention import host_to_device
 from runtime.batch import Batch
+from runtime.utils import host_to_device
 
 MIN_T = 1e-6  # a temperature of 0 would divide by zero
 MIN_P = 1e-6  # a top_p of 0 would filter out every token
@@ -127,7 +127,7 @@ class Sampler:
                     logits[rows], args.temperatures[rows],
                     None if args.top_k is None else args.top_k[rows].long(),
                     None if args.top_p is None else args.top_p[rows], args.seeds, args.positions,
-                )
+                ).to(out.dtype)  # flashinfer returns int32 tokens
         else:
             out = sample_counter(logits, args.temperatures, args.top_k, args.top_p, args.seeds, args.positions)
         if args.greedy is None:

@@ -1,4 +1,4 @@
-"""Paged KV cache: sizing formula, storage, and the page allocator.
+"""Paged KV cache on the device: the sizing formula and the storage (the allocator is the scheduler's).
 
 Page 0 is the reserved dummy page: padded CUDA-graph slots and unused
 page-table entries point at it, so every index the kernels read is valid.
@@ -17,7 +17,7 @@ def page_bytes(num_layers: int, num_kv_heads_local: int, head_dim: int, page_siz
 
 
 def compute_num_pages(free_before_load: int, model_bytes: int, memory_ratio: float, bytes_per_page: int) -> int:
-    """The walkthrough's budget: ``memory_ratio`` of the free memory before loading, less the model."""
+    """The KV budget (ARCHITECTURE.md, invariant 8): ``memory_ratio`` of the free memory before loading, less the model."""
     available = int(memory_ratio * free_before_load) - model_bytes
     return max(available // bytes_per_page, 0)
 
@@ -44,32 +44,3 @@ class KVCache:
         heads, dim = k.shape[-2:]
         self.buffer[layer, 0].view(-1, heads, dim)[out_loc] = k
         self.buffer[layer, 1].view(-1, heads, dim)[out_loc] = v
-
-
-class PageAllocator:
-    """Free list of page ids; the dummy page is never handed out."""
-
-    def __init__(self, num_pages: int) -> None:
-        if num_pages < 2:
-            raise ValueError(f"the KV cache has {num_pages} pages; at least 2 are needed (one is the dummy page)")
-        self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, DUMMY_PAGE, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def free_pages(self) -> list[int]:
-        """A copy of the free list (integrity checks)."""
-        return list(self._free)
-
-    def alloc(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(f"page allocator asked for {n} pages with {len(self._free)} free")
-        pages = self._free[len(self._free) - n :]
-        del self._free[len(self._free) - n :]
-        return pages
-
-    def free(self, pages: list[int]) -> None:
-        self._free.extend(pages)

@@ -1,0 +1,46 @@
+"""Attention backends behind one interface, and the one place that picks a backend.
+
+``prepare(batch)`` builds the step's metadata once (shared by all layers);
+``forward(q, k, v, layer_id)`` writes this step's K/V into the paged cache and
+returns attention over the cached sequence. A backend that serves CUDA graphs
+(``supports_graphs``) also keeps one static-buffer decode state per captured
+batch size: ``init_graph(bs, max_pages_per_req)`` before capture, then
+``prepare_graph(batch)`` before the capture and before every replay.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from runtime.batch import Batch
+from runtime.engine.kv_cache import KVCache
+
+
+class AttentionBackend(Protocol):
+    supports_graphs: bool
+
+    def prepare(self, batch: Batch) -> None: ...
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor: ...
+    def init_graph(self, bs: int, max_pages_per_req: int) -> None: ...
+    def prepare_graph(self, batch: Batch) -> None: ...
+
+
+def make_attention_backend(
+    name: str, kv_cache: KVCache, page_table: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+    dtype: torch.dtype,
+) -> AttentionBackend:
+    """``engine.attention_backend``: ``auto`` is flashinfer on CUDA and the torch reference elsewhere."""
+    on_gpu = page_table.device.type == "cuda"
+    if name == "auto":
+        name = "flashinfer" if on_gpu else "torch"
+    if name == "flashinfer":
+        if not on_gpu:
+            raise ValueError("engine.attention_backend=flashinfer needs a CUDA device")
+        from runtime.engine.attention.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend(kv_cache, page_table, num_heads, num_kv_heads, head_dim, dtype)
+    from runtime.engine.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend(kv_cache, page_table, head_dim)

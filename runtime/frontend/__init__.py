@@ -1,0 +1,1 @@
+"""What users touch: the Python API, JSONL jobs, tokenization, and drain on signals."""

@@ -1,0 +1,58 @@
+"""After a step: append each request's sampled token and decide whether it has finished.
+
+The step loop calls it with the previous step's output (overlap), so stop-string
+detection (an incremental detokenizer, only for requests that have stop strings)
+runs while the GPU computes the next step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.batch import Batch, Req
+
+
+class OutputProcessor:
+    def __init__(self, eos_ids: set[int], dummy_row: int) -> None:
+        self.eos_ids = frozenset(eos_ids)
+        self.dummy_row = dummy_row
+
+    def process(self, batch: Batch, output: Any) -> list[Req]:
+        """Take a finished step's tokens; returns the requests that finished with them."""
+        if output.copy_done_event is not None:
+            output.copy_done_event.synchronize()
+        tokens = output.next_tokens_cpu.tolist()
+        finished = []
+        for req, token, row in zip(batch.reqs, tokens, batch.sample_rows.tolist()):
+            if row == self.dummy_row or req.finish_reason is not None:
+                continue  # a mid-prompt chunk, or a request that finished while this step was in flight
+            req.output_ids.append(token)
+            req.finish_reason = self.finish_reason(req, token)
+            if req.finish_reason is not None:
+                finished.append(req)
+        return finished
+
+    def finish_reason(self, req: Req, token: int) -> str | None:
+        params = req.sampling
+        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"
+        if req.detok is not None:
+            new = req.detok.push(token)
+            at = find_stop(req.detok.text, len(new), params.stop) if new else -1
+            if at >= 0:
+                req.text = req.detok.text[:at]
+                return "stop"
+        if len(req.output_ids) >= req.max_new_tokens:
+            return "length"
+        return None
+
+
+def find_stop(text: str, new_len: int, stops: list[str]) -> int:
+    """Index in ``text`` where the earliest stop string that the last ``new_len`` characters completed starts, or -1."""
+    best = -1
+    for stop in stops:
+        start = max(0, len(text) - new_len - len(stop) + 1)
+        at = text.find(stop, start)
+        if at != -1 and (best == -1 or at < best):
+            best = at
+    return best

@@ -1,0 +1,82 @@
+"""Rank 0's KV page ownership: admission (a prefix match plus private pages for the whole
+reservation), hand-over of finished KV to the prefix cache, release, and the integrity check."""
+
+from __future__ import annotations
+
+from runtime.batch import Req
+from runtime.scheduler.pages import PageAllocator
+from runtime.scheduler.prefix_cache import NaivePrefixCache, PrefixCache
+from runtime.scheduler.radix_cache import RadixCache
+
+
+class CacheManager:
+    def __init__(self, num_pages: int, page_size: int, cache_type: str = "naive") -> None:
+        self.page_size = page_size
+        self.allocator = PageAllocator(num_pages)
+        self.cache: PrefixCache = RadixCache(self.allocator, page_size) if cache_type == "radix" else NaivePrefixCache()
+
+    def pages_for(self, req: Req) -> int:
+        # KV is written for every token but the last sampled one.
+        return -(-(req.prompt_len + req.max_new_tokens - 1) // self.page_size)
+
+    def admit(self, req: Req) -> bool:
+        """Give ``req`` pages for its whole reservation, reusing a cached prefix; False if they are not there."""
+        need = self.pages_for(req)
+        # Always compute at least the last prompt token: its logits give the first new token.
+        matched, node = self.cache.match(req.prompt_ids[:-1])
+        self.cache.lock(node)  # before evicting, so the match itself survives
+        short = need - len(matched) - self.allocator.num_free
+        if short > self.cache.evictable_pages:  # cannot fit even after eviction: keep the cache as it is
+            self.cache.unlock(node)
+            return False
+        if short > 0:
+            self.cache.evict(short)
+        own = self.allocator.alloc(need - len(matched))
+        req.pages, req.own_pages, req.cache_node = matched + own, own, node
+        req.cached_len = len(matched) * self.page_size
+        return True
+
+    def cache_prompt(self, req: Req) -> None:
+        """The prompt's KV is written once its last chunk is launched: later requests may share it now."""
+        self._give_to_cache(req, req.prompt_ids)
+
+    def release(self, req: Req) -> None:
+        """A finished (or aborted) request's KV goes to the prefix cache, its private pages back to the pool.
+
+        At once: a step still in flight that reads them runs before whatever the next admission
+        writes, because all device work is ordered on one stream.
+        """
+        # KV is complete for every token but the last sampled one (or up to the launched prefill).
+        valid = min(req.cached_len, req.prompt_len + max(len(req.output_ids) - 1, 0))
+        self._give_to_cache(req, (req.prompt_ids + req.output_ids)[:valid])
+        self.allocator.free(req.own_pages)
+        self.cache.unlock(req.cache_node)
+        req.pages, req.own_pages, req.cache_node = [], [], None
+
+    def _give_to_cache(self, req: Req, tokens: list[int]) -> None:
+        """Offer the whole pages of ``tokens`` (KV complete, in stream order) and pin where they end.
+
+        Pages the cache already held under the same tokens are left alone. When another request cached
+        the same tokens first, in other pages, this request's copies stay its own: its page table still
+        points at them, so they are freed only when it finishes, never while it runs.
+        """
+        full = min(len(tokens) // self.page_size, len(req.pages))
+        tokens = tokens[: full * self.page_size]
+        kept_by_caller = set(self.cache.insert(tokens, req.pages[:full]))
+        handed = set(req.pages[:full]) - kept_by_caller
+        req.own_pages = [p for p in req.own_pages if p not in handed]
+        _, node = self.cache.match(tokens)
+        self.cache.lock(node)  # pin the longer path before releasing the shorter one
+        self.cache.unlock(req.cache_node)
+        req.cache_node = node
+
+    def check_integrity(self, live: list[Req]) -> None:
+        """Every page has exactly one owner (free list, cache, or one admitted request's private pages),
+        and admitted requests only point at pages they may read."""
+        cached, pinned = self.cache.held_pages()
+        owners = self.allocator.free_pages + cached
+        for req in live:
+            assert set(req.pages) - set(req.own_pages) <= pinned, f"request {req.uid} reads unpinned or evicted pages"
+            owners += req.own_pages
+        assert len(owners) == len(set(owners)), "a page has two owners"
+        assert set(owners) == set(range(1, self.allocator.num_pages)), "pages leaked or invented"

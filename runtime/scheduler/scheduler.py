@@ -1,0 +1,183 @@
+"""Rank 0's scheduler: continuous batching with chunked prefill over a paged KV cache.
+
+Policy: prefill first (continue chunked prompts, then admit waiting requests
+in arrival order while the step's token budget, free rows and free pages
+allow), otherwise decode every running request. A request is admitted only
+when pages for its whole reservation (prompt + max_new_tokens) are free, so
+the cache is never over-committed and nothing is ever preempted. Page ownership
+is the cache manager's; finishing is the output processor's (``runtime.output``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.batch import Batch, Req
+from runtime.config import SchedulerSection
+from runtime.scheduler.cache_manager import CacheManager
+
+
+@dataclass
+class SchedulerStats:
+    page_waits: int = 0  # steps in which the next waiting request had to wait for free pages
+    cached_tokens: int = 0  # prompt tokens served from the radix cache instead of computed
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self, cfg: SchedulerSection, num_pages: int, page_size: int, max_seq_len: int, dummy_row: int,
+        cache_type: str = "naive", debug_checks: bool = False,
+    ) -> None:
+        self.cfg = cfg
+        self.page_size = page_size
+        self.max_seq_len = max_seq_len
+        self.dummy_row = dummy_row
+        self.pages = CacheManager(num_pages, page_size, cache_type)
+        self.debug_checks = debug_checks
+        self.free_rows = list(range(cfg.max_running_requests - 1, -1, -1))
+        self.waiting: deque[Req] = deque()
+        self.prefilling: list[Req] = []
+        self.running: list[Req] = []
+        self.stats = SchedulerStats()
+        self.draining = False  # set on SIGTERM/SIGUSR1: admit nothing new
+
+    @property
+    def allocator(self):  # noqa: ANN201 - PageAllocator
+        return self.pages.allocator
+
+    @property
+    def cache(self):  # noqa: ANN201 - PrefixCache
+        return self.pages.cache
+
+    # ---- admission --------------------------------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        """Queue a request; raises ValueError (for that request only) if it can never be served."""
+        need = self.pages.pages_for(req)
+        if need > self.allocator.num_pages - 1:
+            raise ValueError(
+                f"request needs {need} KV pages for {req.prompt_len} prompt + {req.max_new_tokens} new tokens,"
+                f" but the whole cache has {self.allocator.num_pages - 1}"
+            )
+        self.waiting.append(req)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.prefilling or self.running)
+
+    # ---- one decision -----------------------------------------------------------------------------------
+    def schedule(self) -> Batch | None:
+        for req in self.prefilling:
+            if req.prefill_done and req.finish_reason is None:  # one that finished at once was released
+                self.running.append(req)
+                self.pages.cache_prompt(req)
+        self.prefilling = [r for r in self.prefilling if not r.prefill_done]
+        self.running = [r for r in self.running if r.finish_reason is None]
+        batch = self._schedule_prefill() or self._schedule_decode()
+        if self.debug_checks:
+            self.check_integrity()
+        return batch
+
+    def _admit(self, req: Req) -> bool:
+        if not self.pages.admit(req):
+            return False
+        req.table_idx = self.free_rows.pop()
+        self.stats.cached_tokens += req.cached_len
+        return True
+
+    def _schedule_prefill(self) -> Batch | None:
+        budget = self.cfg.max_prefill_tokens
+        chunks: list[tuple[Req, int]] = []
+        for req in self.prefilling:
+            if budget == 0:
+                break
+            n = min(req.prompt_len - req.cached_len, budget)
+            if n == 0:
+                continue
+            chunks.append((req, n))
+            budget -= n
+        admitted: list[Req] = []
+        while self.waiting and budget > 0 and self.free_rows and not self.draining:
+            req = self.waiting[0]
+            if not self._admit(req):
+                self.stats.page_waits += 1
+                break
+            self.waiting.popleft()
+            self.prefilling.append(req)
+            admitted.append(req)
+            n = min(req.prompt_len - req.cached_len, budget)
+            chunks.append((req, n))
+            budget -= n
+        if not chunks:
+            return None
+        reqs = [r for r, _ in chunks]
+        ext = np.array([n for _, n in chunks], np.int32)
+        starts = np.array([r.cached_len for r in reqs], np.int32)
+        rows = np.array([r.table_idx for r in reqs], np.int32)
+        completes = starts + ext >= np.array([r.prompt_len for r in reqs], np.int32)
+        batch = self._batch("prefill", reqs, rows, starts, ext, np.where(completes, rows, self.dummy_row))
+        if admitted:
+            batch.admit_rows = np.array([r.table_idx for r in admitted], np.int32)
+            batch.admit_token_lens = np.array([r.prompt_len for r in admitted], np.int32)
+            batch.admit_tokens = np.concatenate([np.asarray(r.prompt_ids, np.int32) for r in admitted])
+            batch.admit_page_lens = np.array([len(r.pages) for r in admitted], np.int32)
+            batch.admit_pages = np.concatenate([np.asarray(r.pages, np.int32) for r in admitted])
+        self.stats.prefill_steps += 1
+        self.stats.prefill_tokens += int(ext.sum())
+        return batch
+
+    def _schedule_decode(self) -> Batch | None:
+        reqs = [r for r in self.running if r.wants_decode]
+        if not reqs:
+            return None
+        rows = np.array([r.table_idx for r in reqs], np.int32)
+        starts = np.array([r.cached_len for r in reqs], np.int32)
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += len(reqs)
+        return self._batch("decode", reqs, rows, starts, np.ones(len(reqs), np.int32), rows)
+
+    def _batch(
+        self, phase: str, reqs: list[Req], rows: np.ndarray, starts: np.ndarray, ext: np.ndarray,
+        sample_rows: np.ndarray,
+    ) -> Batch:
+        temp, top_k, top_p, seeds, seeded = zip(*(r.sampling_row for r in reqs))
+        return Batch(
+            phase=phase, rows=rows, starts=starts, ext_lens=ext, sample_rows=sample_rows.astype(np.int32),
+            temperature=np.array(temp, np.float32), top_k=np.array(top_k, np.int32),
+            top_p=np.array(top_p, np.float32), seeds=np.array(seeds, np.int64), seeded=np.array(seeded, bool),
+            reqs=reqs,
+        )
+
+    # ---- finishing --------------------------------------------------------------------------------------
+    def finish(self, req: Req) -> None:
+        """A request the output processor found finished: its row and pages come back now."""
+        self._release(req)
+        if self.debug_checks:
+            self.check_integrity()
+
+    def abort_all(self) -> list[Req]:
+        """Drop every unfinished request (an interrupted run); their resources come back."""
+        dropped = list(self.waiting) + [r for r in self.prefilling + self.running if r.finish_reason is None]
+        for req in dropped:
+            req.finish_reason = "abort"
+            if req.table_idx >= 0:
+                self._release(req)
+        self.waiting.clear()
+        self.prefilling, self.running = [], []
+        self.draining = False
+        return dropped
+
+    def _release(self, req: Req) -> None:
+        self.pages.release(req)
+        self.free_rows.append(req.table_idx)
+        req.table_idx = -1
+
+    def check_integrity(self) -> None:
+        live = [r for r in self.prefilling + self.running if r.table_idx >= 0]  # admitted, not yet released
+        self.pages.check_integrity(live)

@@ -1,0 +1,290 @@
+"""The offline benchmark's measurements; scripts/bench_offline.py runs each in a process of its own."""
+
+from __future__ import annotations
+
+import gc
+import re
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from scripts.bench_config import BenchConfig
+
+
+@dataclass
+class StepLog:
+    """What each executed step moved and computed, for the roofline."""
+
+    tokens: list[int] = field(default_factory=list)
+    kv_read: list[int] = field(default_factory=list)  # sum of kv lengths (tokens) attended
+    attn_pairs: list[int] = field(default_factory=list)  # sum of q_len * kv_len
+    decode: list[bool] = field(default_factory=list)
+
+    def __call__(self, batch) -> None:  # noqa: ANN001
+        if batch is None:
+            return
+        ext, kv = batch.ext_lens.astype(np.int64), batch.kv_lens.astype(np.int64)
+        self.tokens.append(int(ext.sum()))
+        self.kv_read.append(int(kv.sum()))
+        self.attn_pairs.append(int((ext * (kv - (ext - 1) / 2)).sum()))
+        self.decode.append(batch.is_decode)
+
+
+def shared_prefix_workload(cfg: BenchConfig) -> tuple[list[list[int]], list[int]]:
+    """Every request: one shared prefix, then its own distinct tokens."""
+    b = cfg.bench
+    rng = np.random.default_rng(b.seed + 1)
+    prefix = rng.integers(0, b.token_id_limit, b.shared_prefix_len).tolist()
+    tails = rng.integers(b.distinct_len[0], b.distinct_len[1] + 1, b.num_requests)
+    prompts = [prefix + rng.integers(0, b.token_id_limit, int(k)).tolist() for k in tails]
+    return prompts, [b.shared_output_len] * b.num_requests
+
+
+def workload(cfg: BenchConfig, fixed: bool | str, n: int | None = None) -> tuple[list[list[int]], list[int]]:
+    if fixed == "shared":
+        return shared_prefix_workload(cfg)
+    b = cfg.bench
+    rng = np.random.default_rng(b.seed)
+    count = b.num_requests
+    in_lens = rng.integers(b.input_len[0], b.input_len[1] + 1, count)
+    out_lens = rng.integers(b.output_len[0], b.output_len[1] + 1, count)
+    prompts = [rng.integers(0, b.token_id_limit, int(k)).tolist() for k in in_lens]
+    outs = [b.fixed_output_len] * count if fixed else out_lens.tolist()
+    n = n or count
+    return prompts[:n], outs[:n]
+
+
+def measure_limits(device: torch.device) -> dict[str, float]:
+    """HBM bandwidth (GB/s, read+write of a 4 GiB copy) and bf16 matmul peak (TFLOP/s)."""
+    src = torch.empty(1 << 31, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, reps = time.perf_counter(), 20
+    for _ in range(reps):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    bandwidth = 2 * src.numel() * 2 * reps / (time.perf_counter() - start)
+    del src, dst
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    bm = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        a @ bm
+    torch.cuda.synchronize()
+    start, reps = time.perf_counter(), 50
+    for _ in range(reps):
+        a @ bm
+    torch.cuda.synchronize()
+    peak = 2 * 8192**3 * reps / (time.perf_counter() - start)
+    return {"hbm_gbps": bandwidth / 1e9, "bf16_tflops": peak / 1e12}
+
+
+def roofline_seconds(llm, log: StepLog, limits: dict[str, float]) -> float:  # noqa: ANN001
+    mc = llm.model_config
+    model = llm.engine.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    matmul_params = sum(p.numel() for n, p in model.named_parameters() if "norm" not in n and "embed" not in n)
+    if mc.tie_word_embeddings:
+        matmul_params += model.lm_head.weight.numel()
+    kv_token_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * llm.engine.dtype.itemsize
+    bw, peak = limits["hbm_gbps"] * 1e9, limits["bf16_tflops"] * 1e12
+    total = 0.0
+    for tokens, kv_read, pairs in zip(log.tokens, log.kv_read, log.attn_pairs):
+        bytes_moved = weight_bytes + kv_read * kv_token_bytes + tokens * kv_token_bytes
+        flops = 2 * matmul_params * tokens + 4 * mc.num_layers * mc.num_heads * mc.head_dim * pairs
+        total += max(bytes_moved / bw, flops / peak)
+    return total
+
+
+class StepTimer:
+    """CUDA events around each forward on the engine stream: GPU busy time and idle gaps between decode steps."""
+
+    def __init__(self, engine) -> None:  # noqa: ANN001
+        self.engine = engine
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event, bool]] = []
+        self._inner = engine.forward_batch
+        engine.forward_batch = self._timed
+
+    def _timed(self, batch):  # noqa: ANN001, ANN202
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(self.engine.stream)
+        out = self._inner(batch)
+        end.record(self.engine.stream)
+        self.events.append((start, end, batch.is_decode))
+        return out
+
+    def summary(self) -> dict[str, float]:
+        torch.cuda.synchronize()
+        busy = idle = 0.0
+        for (s0, e0, d0), (s1, _, d1) in zip(self.events, self.events[1:]):
+            if d0 and d1:
+                busy += s0.elapsed_time(e0)
+                idle += max(e0.elapsed_time(s1), 0.0)
+        return {"decode_idle_share": idle / max(busy + idle, 1e-9), "decode_busy_ms": busy, "decode_idle_ms": idle}
+
+
+def run_tpinfer(cfg: BenchConfig, fixed: bool | str, limits: dict[str, float] | None) -> dict:
+    from runtime import LLM, SamplingParams
+
+    llm = LLM(config=cfg)
+    prompts, outs = workload(cfg, fixed)
+    params = [SamplingParams(temperature=cfg.bench.temperature, max_new_tokens=n, ignore_eos=True) for n in outs]
+    # Warm-up on a few requests: kernel loads and allocator growth are not part of the measurement.
+    # Shifted ids: the warm-up must not seed the prefix cache with the measured prompts.
+    warm = [[(t + 1) % cfg.bench.token_id_limit for t in p] for p in prompts[:8]]
+    llm.generate(warm, [SamplingParams(temperature=cfg.bench.temperature, max_new_tokens=16, ignore_eos=True)] * 8)
+    log = StepLog()
+    timer = StepTimer(llm.engine) if llm.engine.stream is not None else None
+    warm_prefill, warm_cached = llm.scheduler.stats.prefill_tokens, llm.scheduler.stats.cached_tokens
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    results = llm.run([(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))], on_batch=log)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    assert all(r.error is None and r.completion_tokens == n for r, n in zip(results, outs)), "benchmark requests failed"
+    generated = sum(outs)
+    stats = llm.scheduler.stats
+    row = {
+        "prefill_tokens_computed": stats.prefill_tokens - warm_prefill,
+        "cached_tokens": stats.cached_tokens - warm_cached,
+        "cache": cfg.cache.type,
+        "seconds": seconds, "output_tokens": generated, "output_tok_s": generated / seconds,
+        "total_tok_s": (generated + sum(map(len, prompts))) / seconds,
+        "steps": len(log.tokens), "decode_steps": int(sum(log.decode)), "kv_pages": llm.engine.num_pages,
+        "graphs": llm.engine.graph_runner is not None, "overlap": cfg.scheduler.overlap,
+    }
+    if limits:
+        roof = roofline_seconds(llm, log, limits)
+        row.update(roofline_s=roof, roofline_share=roof / seconds)
+    if timer:
+        row.update(timer.summary())
+    llm.shutdown()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def batch1_step_time(cfg: BenchConfig, graphs: bool) -> float:
+    """Seconds per decode step of a single request (graph replay versus eager)."""
+    from runtime import LLM, SamplingParams
+
+    cfg.engine.cuda_graph_max_bs = 8 if graphs else 0
+    llm = LLM(config=cfg)
+    params = SamplingParams(temperature=0, max_new_tokens=256, ignore_eos=True)
+    llm.generate([[1, 2, 3, 4]], params)
+    log = StepLog()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    llm.run([(0, [5, 6, 7, 8], params)], on_batch=log)
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / max(sum(log.decode), 1)
+    llm.shutdown()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return seconds
+
+
+def run_hf(cfg: BenchConfig, mode: str) -> dict:
+    """HF transformers on the same random weights (built by our loader, shared by reference)."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from models.weights.default_model import resolve_model_path
+    from models.weights.loader import to_hf_state_dict
+    from runtime import LLM
+
+    owner = LLM(config=cfg)  # creates the weights exactly as the tpinfer runs do
+    model_dir = resolve_model_path(cfg.model.path)
+    hf_cfg = LlamaConfig.from_pretrained(str(model_dir))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hf_cfg)
+    model.load_state_dict(to_hf_state_dict(owner.engine.model), strict=False, assign=True)
+    if hf_cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary_emb = type(model.model.rotary_emb)(hf_cfg).to("cuda")
+    del owner.engine.kv_cache, owner.engine.graph_runner
+    torch.cuda.empty_cache()
+    model.eval()
+    prompts, outs = workload(cfg, fixed=True, n=cfg.bench.peer_requests)
+    new = cfg.bench.fixed_output_len
+    gen_cfg = GenerationConfig(
+        max_new_tokens=new, min_new_tokens=new, do_sample=True, temperature=cfg.bench.temperature, top_k=0, top_p=1.0,
+        eos_token_id=None, pad_token_id=0,
+    )
+    with torch.no_grad():
+        if mode == "hf_continuous":
+            model.set_attn_implementation("paged|sdpa")
+            model.generate_batch(inputs=prompts[:4], generation_config=gen_cfg, progress_bar=False)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            results = model.generate_batch(inputs=prompts, generation_config=gen_cfg, progress_bar=False)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            generated = sum(len(r.generated_tokens) for r in results.values())
+        else:
+            model.set_attn_implementation("sdpa")
+            width = max(map(len, prompts))
+            ids = torch.zeros(len(prompts), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, p in enumerate(prompts):  # left padding
+                ids[i, width - len(p) :] = torch.tensor(p)
+                mask[i, width - len(p) :] = 1
+            ids, mask = ids.cuda(), mask.cuda()
+            model.generate(ids[:2], attention_mask=mask[:2], generation_config=gen_cfg)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = model.generate(ids, attention_mask=mask, generation_config=gen_cfg)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            generated = (out.shape[1] - width) * len(prompts)
+    del model, owner
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"seconds": seconds, "output_tokens": generated, "output_tok_s": generated / seconds,
+            "requests": len(prompts)}
+
+
+COMM_KERNELS = re.compile(r"allreduce|all_reduce|allgather|all_gather|nccl", re.IGNORECASE)
+ALL_REDUCE_KERNELS = re.compile(r"allreduce|all_reduce", re.IGNORECASE)
+
+
+def profile_decode(cfg: BenchConfig) -> dict:
+    """Share of GPU kernel time in collectives during steady decode (graphs on), from the torch profiler."""
+    from runtime import LLM, SamplingParams
+
+    llm = LLM(config=cfg)
+    n, new = min(cfg.scheduler.max_running_requests, cfg.bench.num_requests), 64
+    prompts, _ = workload(cfg, fixed=True, n=n)
+    prompts = [p[:512] for p in prompts]
+    temp = cfg.bench.temperature
+    llm.generate(prompts[:8], SamplingParams(temperature=temp, max_new_tokens=16, ignore_eos=True))
+    # Prefill outside the window: the radix cache keeps the prompts, so the profiled run is almost all decode.
+    llm.generate(prompts, SamplingParams(temperature=temp, max_new_tokens=1, ignore_eos=True))
+    log = StepLog()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        llm.run([(i, p, SamplingParams(temperature=temp, max_new_tokens=new, ignore_eos=True))
+                 for i, p in enumerate(prompts)], on_batch=log)
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.device_time for e in kernels)
+    comm = sum(e.device_time for e in kernels if COMM_KERNELS.search(e.name))
+    reduce = sum(e.device_time for e in kernels if ALL_REDUCE_KERNELS.search(e.name))
+    top = {}
+    for e in kernels:
+        top[e.name[:80]] = top.get(e.name[:80], 0.0) + e.device_time
+    llm.shutdown()
+    steps = max(sum(log.decode), 1)
+    return {
+        "requests": n, "decode_steps": int(sum(log.decode)), "seconds": seconds, "step_ms": seconds * 1e3 / steps,
+        "kernel_ms_per_step": total / 1e3 / steps, "all_reduce_share": reduce / max(total, 1e-9),
+        "comm_share": comm / max(total, 1e-9), "all_reduce_ms_per_step": reduce / 1e3 / steps,
+        "top_kernels_ms": {k: round(v / 1e3, 2) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]},
+    }

@@ -1,0 +1,57 @@
+"""The Python API answers malformed input with a clear error, alone, and never serves it silently."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime import LLM, SamplingParams
+from runtime.batch import Req
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_llama_dir) -> LLM:
+    return LLM(str(tiny_llama_dir), overrides=["engine.device=cpu", "model.dtype=float32", "model.max_seq_len=256"])
+
+
+class NoTokens:
+    """A tokenizer that turns whitespace into nothing (like one that adds no BOS)."""
+
+    def encode(self, text: str, **_: object) -> list[int]:
+        return [] if not text.strip() else [5, 6]
+
+    def decode(self, ids: list[int], **_: object) -> str:
+        return " ".join(map(str, ids))
+
+
+def test_a_prompt_of_zero_tokens_fails_alone(tiny_llm, monkeypatch):
+    monkeypatch.setattr(tiny_llm, "tokenizer", NoTokens())
+    outs = tiny_llm.generate(["   ", [7, 8, 9]], SamplingParams(temperature=0, max_new_tokens=3))
+    assert outs[0].error == "prompt encodes to zero tokens" and outs[0].token_ids is None
+    assert outs[1].error is None and outs[1].completion_tokens == 3
+
+
+def test_stop_strings_without_a_tokenizer_are_an_error_not_ignored(tiny_llm):
+    out = tiny_llm.generate([[7, 8, 9]], SamplingParams(max_new_tokens=3, stop=["x"]))[0]
+    assert out.error is not None and "stop strings" in out.error and "tokenizer" in out.error
+
+
+def test_a_bare_chat_message_is_refused_not_split_into_prompts(tiny_llm):
+    with pytest.raises(TypeError, match="wrapped in a list"):
+        tiny_llm.generate({"role": "user", "content": "hi"})
+
+
+def test_sampling_params_as_a_dict(tiny_llm):
+    greedy = tiny_llm.generate([[7, 8, 9]], SamplingParams(temperature=0, max_new_tokens=4))[0]
+    as_dict = tiny_llm.generate([[7, 8, 9]], {"temperature": 0, "max_new_tokens": 4})[0]
+    assert as_dict.token_ids == greedy.token_ids
+    with pytest.raises(ValueError, match="temprature"):
+        tiny_llm.generate([[7, 8, 9]], {"temprature": 0})
+    with pytest.raises(TypeError, match="sampling_params"):
+        tiny_llm.generate([[7, 8, 9]], [0.5])
+
+
+def test_unseeded_keys_do_not_collide_with_small_user_seeds():
+    seeded = {Req(0, [1], SamplingParams(seed=s), 1).sampling_row[3] for s in range(1000)}
+    unseeded = {Req(uid, [1], SamplingParams(), 1, run_seed=run).sampling_row[3] for uid in range(1000) for run in (0, 1)}
+    assert not seeded & unseeded and len(unseeded) == 2000
+    assert all(0 <= k < 2**63 for k in unseeded)

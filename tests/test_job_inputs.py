@@ -1,0 +1,98 @@
+"""One bad row, value or file never ends a job: each gets an error row naming its line, and reruns
+retry what failed (in-process, on a tiny model)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime import LLM
+from runtime.frontend.job import run_job
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class ChatStub:
+    """A tokenizer whose chat template rejects some conversations, as real templates do."""
+
+    def encode(self, text: str, **_: object) -> list[int]:
+        return [3 + len(w) % 50 for w in text.split()] or [3]
+
+    def decode(self, ids: list[int], **_: object) -> str:
+        return " ".join(map(str, ids))
+
+    def apply_chat_template(self, messages: list[dict], **_: object) -> str:
+        import jinja2
+
+        if messages[0]["role"] != "user":
+            raise jinja2.TemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
+        return " ".join(m["content"] for m in messages)
+
+
+def _llm(model_dir: Path, tmp_path: Path, *overrides: str) -> LLM:
+    llm = LLM(str(model_dir), overrides=["engine.device=cpu", "model.dtype=float32", "model.max_seq_len=64",
+                                         f"job.input={tmp_path / 'rows.jsonl'}", f"job.output={tmp_path / 'out.jsonl'}",
+                                         "job.progress=false", *overrides])
+    llm.tokenizer = ChatStub()
+    return llm
+
+
+def _write(path: Path, lines: list[bytes]) -> None:
+    path.write_bytes(b"".join(line + b"\n" for line in lines))
+
+
+def _read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip(" \x00")]
+
+
+def test_bad_rows_become_error_rows_naming_their_line(tiny_llama_dir, tmp_path):
+    row = {"prompt": [5, 6, 7], "sampling": {"max_new_tokens": 2}}
+    _write(tmp_path / "rows.jsonl", [
+        json.dumps({"id": "a", **row}).encode(),
+        b'{"id": "latin1", "prompt": "caf\xe9"}',  # not UTF-8
+        json.dumps({"id": "tpl", "messages": [{"role": "assistant", "content": "hi"}]}).encode(),
+        json.dumps({"id": "empty", "prompt": "  "}).encode(),
+        json.dumps({"id": "hot", "prompt": [5], "sampling": "hot"}).encode(),
+        json.dumps({"id": True, **row}).encode(),
+        json.dumps({"id": 1, **row}).encode(),
+        json.dumps({"id": 1.0, **row}).encode(),  # the same id as 1
+        json.dumps({"id": "long", "prompt": list(range(5, 100)), "sampling": {"max_new_tokens": 2}}).encode(),
+    ])
+    m = run_job(_llm(tiny_llama_dir, tmp_path), "cfg")
+    out, errors = _read(tmp_path / "out.jsonl"), _read(tmp_path / "out.errors.jsonl")
+    assert sorted(str(r["id"]) for r in out) == ["1", "a"] and m["completed"] == 2
+    by_line = {e["line"]: e["error"] for e in errors}
+    assert set(by_line) == {2, 3, 4, 5, 6, 8, 9} and m["errors"] == 7
+    assert "not valid UTF-8" in by_line[2] and ":2 " in by_line[2] and "0xe9" in by_line[2]
+    assert by_line[3].startswith("TemplateError") and "alternate" in by_line[3]
+    assert "empty" in by_line[4] and "'sampling' must be an object" in by_line[5]
+    assert "usable 'id'" in by_line[6] and "duplicate id" in by_line[8] and "maximum sequence length" in by_line[9]
+
+
+def test_rerun_retries_failed_rows_and_skips_unreadable_output_lines(tiny_llama_dir, tmp_path):
+    rows = [{"id": i, "prompt": list(range(5, 5 + 12 * i)), "sampling": {"max_new_tokens": 2}} for i in range(1, 8)]
+    _write(tmp_path / "rows.jsonl", [json.dumps(r).encode() for r in rows])
+    first = run_job(_llm(tiny_llama_dir, tmp_path), "cfg")  # ids 6 and 7 are too long for max_seq_len=64
+    assert first["completed"] == 5 and first["errors"] == 2
+    with open(tmp_path / "out.jsonl", "ab") as f:
+        f.write(b"\n" + b"\x00" * 40 + b"\n")  # a blank line and a zero-filled block, as after a node crash
+    second = run_job(_llm(tiny_llama_dir, tmp_path, "model.max_seq_len=256"), "cfg")
+    assert second["completed"] == 2 and second["errors"] == 0 and second["already_done"] == 5
+    assert sorted(r["id"] for r in _read(tmp_path / "out.jsonl") if "id" in r) == list(range(1, 8))
+    assert _read(tmp_path / "out.errors.jsonl") == []  # the latest run's failures: none
+
+
+def test_input_and_output_must_differ(tiny_llama_dir, tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    _write(rows, [json.dumps({"id": 1, "prompt": [5]}).encode()])
+    proc = subprocess.run([sys.executable, "launch.py", f"model.path={tiny_llama_dir}", f"job.input={rows}",
+                           f"job.output={rows}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "same file" in proc.stderr and "Traceback" not in proc.stderr
+    llm = _llm(tiny_llama_dir, tmp_path, f"job.output={rows}")
+    with pytest.raises(ValueError, match="different files"):
+        run_job(llm, "cfg")
+    assert rows.read_text().count("\n") == 1  # the input was not touched
