@@ -127,7 +127,7 @@ class Sampler:
                     logits[rows], args.temperatures[rows],
                     None if args.top_k is None else args.top_k[rows].long(),
                     None if args.top_p is None else args.top_p[rows], args.seeds, args.positions,
-                )
+                ).to(out.dtype)  # flashinfer returns int32 tokens
         else:
             out = sample_counter(logits, args.temperatures, args.top_k, args.top_p, args.seeds, args.positions)
         if args.greedy is None:
