@@ -362,11 +362,11 @@ def main() -> int:
     parser.add_argument("--tp", default="1", help="comma-separated TP sizes; TP > 1 runs each measurement under torchrun")
     parser.add_argument("--tp-runs", default="tpinfer,tpinfer_nccl,decode_profile",
                         help="runs repeated at each TP size > 1")
-    parser.add_argument("--run", default=None, help=argparse.SUPPRESS)  # internal: one measurement
+    parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # internal: one measurement
     parser.add_argument("--limits", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    if args.run:
+    if args.measure:
         return run_in_this_process(args)
     base = load_config(args.config, args.overrides)
     name = args.name or Path(args.config[-1]).stem
@@ -378,7 +378,7 @@ def main() -> int:
         launcher = [sys.executable]
         if tp > 1:
             launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tp)]
-        cmd = [*launcher, __file__, "--run", run, "--limits", json.dumps(limits or {})]
+        cmd = [*launcher, __file__, "--measure", run, "--limits", json.dumps(limits or {})]
         cmd += [x for c in args.config for x in ("--config", c)] + args.overrides
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -418,13 +418,13 @@ def main() -> int:
 
 
 def run_in_this_process(args: argparse.Namespace) -> int:
-    """``--run NAME``: one measurement; under torchrun every rank joins, rank 0 prints the result."""
+    """``--measure NAME``: one measurement (not ``--run``: torchrun would take that for its ``--run-path``); under torchrun every rank joins, rank 0 prints the result."""
     distributed = "TORCHELASTIC_RUN_ID" in os.environ
     if distributed:
         from parallel.distributed import init_distributed
 
         init_distributed(use_cuda=True, timeout_s=600)
-    result = run_one(args.run, args)
+    result = run_one(args.measure, args)
     if result is not None:
         print("RESULT " + json.dumps(result), flush=True)
     if distributed:
