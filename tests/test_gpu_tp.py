@@ -33,6 +33,11 @@ SMALL = {
 }
 
 
+# When the whole GPU suite runs in one pytest process, the in-process tests hold memory on GPU 0 only;
+# that imbalance is the harness's, not another job's, so the TP jobs here accept it.
+IMBALANCE_OK = "parallel.memory_imbalance_bytes=68719476736"
+
+
 def torchrun(nproc: int, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([*TORCHRUN, "--nproc-per-node", str(nproc), *args], cwd=REPO, env=env,
@@ -54,7 +59,7 @@ def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _probe(model: Path, out: Path, nproc: int, *overrides: str) -> list[dict]:
-    proc = torchrun(nproc, "tests/gpu_tp_probe.py", str(model), str(out), *overrides)
+    proc = torchrun(nproc, "tests/gpu_tp_probe.py", str(model), str(out), IMBALANCE_OK, *overrides)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
 
@@ -144,7 +149,7 @@ def _ids(out: Path) -> list[int]:
 def _job_args(model: Path, rows: Path, out: Path, *extra: str) -> list[str]:
     return ["launch.py", f"model.path={model}", "engine.device=cuda", "model.max_seq_len=4096",
             "scheduler.max_running_requests=64", "engine.cuda_graph_max_bs=64", "cache.num_pages=8192",
-            f"job.input={rows}", f"job.output={out}", "job.progress=false", *extra]
+            f"job.input={rows}", f"job.output={out}", "job.progress=false", IMBALANCE_OK, *extra]
 
 
 @two_gpus
