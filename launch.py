@@ -128,8 +128,13 @@ def main(argv: list[str] | None = None) -> int:
         tp = init_distributed(wants_cuda(cfg.engine.device), cfg.parallel.timeout_s)
         code = run_rank0(cfg) if tp.rank == 0 else run_worker(cfg)
         report_peak_memory(tp.rank)
+    except KeyboardInterrupt:
+        print(f"rank {rank}: interrupted (a second Ctrl-C); finished rows are on disk", file=sys.stderr, flush=True)
+        exit_now(130)
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as exc:
-        print(f"error on rank {rank}: {exc}", file=sys.stderr, flush=True)
+        # A configuration error (ValueError) is the same on every rank: rank 0 says it, once.
+        if rank == 0 or not isinstance(exc, ValueError):
+            print(f"error on rank {rank}: {exc}", file=sys.stderr, flush=True)
         if read_torchrun_env().world_size > 1:
             # Peers may be dead or stuck in a collective that never completes, and a graceful
             # teardown (NCCL communicator destroy) would wait for them: finished rows are already

@@ -121,7 +121,10 @@ _CHOICES = {
     "parallel.all_reduce": ("auto", "nccl", "symm_mem"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
-_POSITIVE = ("model.max_seq_len", "cache.page_size", "scheduler.max_running_requests", "scheduler.max_prefill_tokens")
+_POSITIVE = ("model.max_seq_len", "cache.page_size", "scheduler.max_running_requests", "scheduler.max_prefill_tokens",
+             "cache.cpu_memory_bytes", "parallel.timeout_s")
+_NON_NEGATIVE = ("cache.num_pages", "job.drain_timeout_s", "job.fsync_every_s", "engine.cuda_graph_max_bs",
+                 "parallel.memory_imbalance_bytes")
 
 
 def _all_keys(node: Any, prefix: str = "") -> list[str]:
@@ -158,8 +161,12 @@ def _validate(cfg: RuntimeConfig) -> None:
         raise ConfigError(f"config key 'cache.memory_ratio'={cfg.cache.memory_ratio} must be in (0, 1]")
     if not 0 <= cfg.engine.seed < 2**31:
         raise ConfigError(f"config key 'engine.seed'={cfg.engine.seed} must be in [0, 2**31)")
-    if cfg.engine.cuda_graph_max_bs < 0:
-        raise ConfigError("config key 'engine.cuda_graph_max_bs' must be >= 0 (0 disables CUDA graphs)")
+    for key in _NON_NEGATIVE:  # 0 has a meaning for each: the formula, no wait, every row, no graphs
+        value = OmegaConf.select(node, key)
+        if value < 0:
+            raise ConfigError(f"config key '{key}'={value} must be >= 0")
+    if cfg.cache.num_pages == 1:
+        raise ConfigError("config key 'cache.num_pages'=1 leaves no page for requests (page 0 is reserved); use >= 2")
     from runtime.sampling_params import SamplingParams
 
     try:

@@ -348,3 +348,14 @@ def test_a_config_without_architectures_is_not_taken_for_llama():
         ModelConfig.from_dict({**base, "model_type": "qwen3"})
     assert "LlamaForCausalLM" in str(err.value)
     assert ModelConfig.from_dict({**base, "model_type": "llama"}).num_heads == 2
+
+
+@pytest.mark.parametrize("override,named", [
+    ("cache.num_pages=-3", "cache.num_pages"), ("cache.num_pages=1", "cache.num_pages"),
+    ("job.drain_timeout_s=-1", "job.drain_timeout_s"), ("job.fsync_every_s=-1", "job.fsync_every_s"),
+    ("parallel.timeout_s=0", "parallel.timeout_s"), ("cache.cpu_memory_bytes=0", "cache.cpu_memory_bytes"),
+    ("engine.cuda_graph_max_bs=-1", "engine.cuda_graph_max_bs"),
+])
+def test_out_of_range_values_fail_at_load_naming_the_key(override, named):
+    with pytest.raises(ConfigError, match=named):
+        load_config([], [override])

@@ -100,7 +100,8 @@ def test_sigkill_half_way_then_rerun_gives_one_row_per_id(default_model_dir, tmp
     assert json.loads(out.with_suffix(".metrics.json").read_text())["already_done"] >= partial
 
 
-def test_sigterm_drains_every_rank_and_rerun_completes(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_signal_drains_every_rank_and_rerun_completes(tmp_path, sig):
     model_dir = make_tiny_llama(tmp_path / "model", vocab=502, heads=8, kv_heads=4, seed=9)
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(
@@ -113,12 +114,12 @@ def test_sigterm_drains_every_rank_and_rerun_completes(tmp_path):
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     _wait_for_rows(out, proc, 3)
-    os.killpg(proc.pid, signal.SIGTERM)  # as Slurm does: every process of the step
+    os.killpg(proc.pid, sig)  # as Slurm (SIGTERM) or a terminal (Ctrl-C) does: every process of the step
     sent = time.time()
     log, _ = proc.communicate(timeout=60)
     assert time.time() - sent < 30, "ranks did not exit within 30 s"
     assert proc.returncode != 0  # so a Slurm script requeues
-    assert "draining" in log
+    assert "draining" in log and "KeyboardInterrupt" not in log
     first = _rows(out)
     assert 3 <= len(first) < 30
     rerun = subprocess.run([c for c in cmd if c != "job.drain_timeout_s=5"], cwd=REPO, env=_env(),

@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: "interrupted, resumable"
-DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Ctrl-C drains too; a second Ctrl-C interrupts at once.
+DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 log = logging.getLogger(__name__)
 
 
@@ -28,6 +29,8 @@ class Drain:
         return self.signum is not None
 
     def request(self, signum: int, frame: object = None) -> None:
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         if self.signum is None:
             self.signum, self.since = signum, time.monotonic()
             log.warning("%s received: draining (no new requests, in-flight ones finish)", signal.Signals(signum).name)
@@ -48,4 +51,4 @@ def ignore_drain_signals() -> None:
 
 def restore_default_signals() -> None:
     for sig in DRAIN_SIGNALS:
-        signal.signal(sig, signal.SIG_DFL)
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
