@@ -161,11 +161,19 @@ def run_tpinfer(cfg: BenchConfig, fixed: bool | str, limits: dict[str, float] | 
         row.update(roofline_s=roof, roofline_share=roof / seconds)
     if timer:
         row.update(timer.summary())
+    release(llm)
+    return row
+
+
+def release(llm) -> None:  # noqa: ANN001 - runtime.LLM
+    """Give the GPU back before the next measurement in this process: graphs, KV cache, weights.
+
+    The caller still holds ``llm``; emptying it drops the engine (and its Engine <-> GraphRunner cycle).
+    """
     llm.shutdown()
-    del llm
+    llm.__dict__.clear()
     gc.collect()
     torch.cuda.empty_cache()
-    return row
 
 
 def batch1_step_time(cfg: BenchConfig, graphs: bool) -> float:
@@ -182,10 +190,7 @@ def batch1_step_time(cfg: BenchConfig, graphs: bool) -> float:
     llm.run([(0, [5, 6, 7, 8], params)], on_batch=log)
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / max(sum(log.decode), 1)
-    llm.shutdown()
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
+    release(llm)
     return seconds
 
 
