@@ -200,9 +200,10 @@ class KVCheckingEngine:
     prompts=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 40), st.lists(st.integers(60, 70), max_size=6),
                                st.integers(1, 12)), min_size=1, max_size=10),
     page=st.sampled_from([1, 4, 16]), extra_pages=st.integers(0, 30), max_running=st.integers(1, 4),
-    max_prefill=st.integers(1, 64), overlap=st.booleans(),
+    max_prefill=st.integers(1, 64), overlap=st.booleans(), eos=st.sampled_from([2, 17, 33]),
 )
-def test_scheduler_with_radix_serves_the_right_kv(prompts, page, extra_pages, max_running, max_prefill, overlap):
+def test_scheduler_with_radix_serves_the_right_kv(prompts, page, extra_pages, max_running, max_prefill, overlap, eos):
+    """Token 2 never occurs; 17 and 33 do, so requests also finish early (EOS) while others run on."""
     from runtime.batch import Req
     from runtime.config import load_config
     from runtime.loop import run_until_idle
@@ -219,13 +220,14 @@ def test_scheduler_with_radix_serves_the_right_kv(prompts, page, extra_pages, ma
         sched.add(r)
     engine = KVCheckingEngine(page, max_running)
     done = []
-    run_until_idle(sched, engine, OutputProcessor({2}, max_running), overlap, done.append)
+    run_until_idle(sched, engine, OutputProcessor({eos}, max_running), overlap, done.append)
     assert sorted(r.uid for r in done) == list(range(len(reqs)))
     for r in reqs:
         seq = list(r.prompt_ids)
-        for _ in range(r.max_new_tokens):
+        while len(seq) - r.prompt_len < r.max_new_tokens and (len(seq) == r.prompt_len or seq[-1] != eos):
             seq.append(KVCheckingEngine.next_token(seq, len(seq)))
-        assert r.output_ids == seq[r.prompt_len :] and r.finish_reason == "length"
+        assert r.output_ids == seq[r.prompt_len :]
+        assert r.finish_reason == ("stop" if seq[-1] == eos and len(seq) > r.prompt_len else "length")
     sched.check_integrity()
     sched.cache.evict(sched.allocator.num_pages)
     assert sched.allocator.num_free == sched.allocator.num_pages - 1
