@@ -62,6 +62,7 @@ class Harness:
             del self.content[p]
 
     def check(self) -> None:
+        self.cache.held_pages()  # the cache's own bookkeeping: evictable count and leaf set
         nodes = self.cache.nodes()
         tree = [p for n in nodes for p in n.pages]
         private = [p for _, pages, shared, _ in self.active for p in pages[shared:]]

@@ -37,6 +37,7 @@ class RadixCache:
         self.root.ref = 1  # never evicted
         self.evictable_pages = 0  # pages in nodes nobody holds
         self.tree_pages = 0
+        self.leaves: set[Node] = set()  # kept up to date, so eviction never walks the whole tree
 
     # ---- lookup -------------------------------------------------------------------------------------
     def _chunk(self, tokens: tuple[int, ...] | list[int], i: int) -> tuple[int, ...]:
@@ -100,19 +101,24 @@ class RadixCache:
         if i < len(pages):
             new = Node(tuple(tokens[i * self.page_size :]), list(pages[i:]), node, {}, 0, next(_clock))
             node.children[self._chunk(tokens, i)] = new
+            self.leaves.discard(node)
+            self.leaves.add(new)
             self.tree_pages += len(new.pages)
             self.evictable_pages += len(new.pages)
         return duplicates
 
     def evict(self, n_pages: int) -> int:
         """Free at least ``n_pages`` pages from unreferenced leaves, least recently used first."""
-        heap = [(n.last_used, id(n), n) for n in self._leaves() if n.ref == 0]
+        heap = [(n.last_used, id(n), n) for n in self.leaves if n.ref == 0]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < n_pages:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
             del parent.children[self._chunk(leaf.tokens, 0)]
+            self.leaves.discard(leaf)
+            if parent is not self.root and not parent.children:
+                self.leaves.add(parent)
             self.allocator.free(leaf.pages)
             freed += len(leaf.pages)
             self.tree_pages -= len(leaf.pages)
@@ -120,16 +126,6 @@ class RadixCache:
             if parent is not self.root and not parent.children and parent.ref == 0:
                 heapq.heappush(heap, (parent.last_used, id(parent), parent))
         return freed
-
-    def _leaves(self) -> list[Node]:
-        stack, leaves = [self.root], []
-        while stack:
-            node = stack.pop()
-            if node.children:
-                stack.extend(node.children.values())
-            elif node is not self.root:
-                leaves.append(node)
-        return leaves
 
     def nodes(self) -> list[Node]:
         stack, out = [self.root], []
@@ -140,8 +136,9 @@ class RadixCache:
         return out
 
     def held_pages(self) -> tuple[list[int], set[int]]:
-        """(every page the tree holds, the pinned ones); also checks the evictable count."""
+        """(every page the tree holds, the pinned ones); also checks the evictable count and the leaf set."""
         nodes = self.nodes()
         evictable = sum(len(n.pages) for n in nodes if n.ref == 0)
         assert evictable == self.evictable_pages, (evictable, self.evictable_pages)
+        assert self.leaves == {n for n in nodes if not n.children and n is not self.root}, "leaf set out of date"
         return [p for n in nodes for p in n.pages], {p for n in nodes if n.ref > 0 for p in n.pages}
