@@ -55,3 +55,20 @@ def test_unseeded_keys_do_not_collide_with_small_user_seeds():
     unseeded = {Req(uid, [1], SamplingParams(), 1, run_seed=run).sampling_row[3] for uid in range(1000) for run in (0, 1)}
     assert not seeded & unseeded and len(unseeded) == 2000
     assert all(0 <= k < 2**63 for k in unseeded)
+
+
+def test_a_dropped_llm_frees_its_engine_without_the_cyclic_gc(tiny_llama_dir):
+    """Engines (and on GPU their CUDA graphs) must go when the last reference does, not at a later GC pass
+    that may run while another engine captures its graphs."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        llm = LLM(str(tiny_llama_dir), overrides=["engine.device=cpu", "model.dtype=float32", "model.max_seq_len=64"])
+        llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_new_tokens=3))
+        engine = weakref.ref(llm.engine)
+        del llm
+        assert engine() is None
+    finally:
+        gc.enable()

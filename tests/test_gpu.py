@@ -10,6 +10,7 @@ far from the reference argmax, while bf16 rounding only flips near-ties.
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import pytest
@@ -184,4 +185,6 @@ def test_many_engines_in_one_process():
         assert outs == first, i
         if i % 3 == 0:
             llm.shutdown()  # the others are simply dropped
+        engine = weakref.ref(llm.engine)
         del llm
+        assert engine() is None  # freed (its graphs destroyed) now, not at some later GC pass

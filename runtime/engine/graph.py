@@ -9,6 +9,7 @@ the next captured size with dummy requests on the reserved dummy row/page.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import numpy as np
 import torch
@@ -22,7 +23,10 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
 
 class GraphRunner:
     def __init__(self, engine, max_bs: int) -> None:  # noqa: ANN001 - Engine, avoids an import cycle
-        self.engine = engine
+        # A weak reference: no Engine <-> GraphRunner cycle, so a dropped engine's graphs are destroyed at
+        # once by reference counting, never later by the cyclic GC (which may run while another engine
+        # is capturing).
+        self.engine = weakref.proxy(engine)
         self.bs_list = graph_batch_sizes(max_bs)
         self.max_bs = self.bs_list[-1]
         dev = engine.device
