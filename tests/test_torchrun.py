@@ -97,3 +97,14 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_a_config_error_on_every_rank_is_printed_once_before_torchrun_reports(default_model_dir):
+    """The default model has 9 heads: TP=2 cannot split them. One clear line, from rank 0, and no drain."""
+    proc = subprocess.run([*TORCHRUN, "--nproc-per-node", "2", "launch.py", f"model.path={default_model_dir}",
+                           "engine.device=cpu"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert out.count("error on rank") == 1 and "error on rank 0: num_attention_heads=9 is not divisible" in out
+    assert out.index("error on rank 0") < out.index("ChildFailedError")
+    assert "draining" not in out and 'launch.py", line' not in out  # no traceback from our ranks
