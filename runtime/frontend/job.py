@@ -110,7 +110,8 @@ def _parse_row(line: str, line_no: int, defaults: SamplingParams, chat_template:
         return JobRow(line_no, row_id, error=f"line {line_no}: the prompt is empty")
     if isinstance(prompt, str) and chat_template and "prompt" in row:
         prompt = [{"role": "user", "content": prompt}]
-    sampling = row.get("sampling", {})
+    sampling = row.get("sampling")
+    sampling = {} if sampling is None else sampling  # null means the defaults
     if not isinstance(sampling, dict):
         return JobRow(line_no, row_id, error=f"line {line_no}: 'sampling' must be an object, not {sampling!r}")
     try:
