@@ -81,10 +81,15 @@ def wait_done(env: dict[str, str], job_id: str, timeout: float = 300) -> dict[st
 
 
 def release_when_requeued(env: dict[str, str], job_id: str, restarts: int) -> None:
-    """Slurm holds a requeued job back for a while (its begin time); start it now."""
-    wait_until(lambda: job(env, job_id).get("Restarts") == str(restarts)
-               and job(env, job_id).get("JobState") == "PENDING", 120, f"job {job_id} to be requeued")
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, check=True)
+    """Slurm holds a requeued job back for a while (its begin time); start it now, and see it run."""
+
+    def running_again() -> bool:
+        info = job(env, job_id)
+        if info.get("JobState") == "PENDING":
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, capture_output=True)
+        return info.get("JobState") == "RUNNING" and info.get("Restarts") == str(restarts)
+
+    wait_until(running_again, 240, f"job {job_id} to run again after its requeue")
 
 
 def ids(out: Path) -> list[int]:
@@ -132,15 +137,15 @@ def test_a_hard_kill_then_a_resubmission_resumes(slurm, tiny_model, tmp_path):
 def test_max_requeues_stops_a_job_that_never_finishes(slurm, tiny_model, tmp_path):
     out = tmp_path / "out.jsonl"
     job_id = submit(slurm, tiny_model, _rows(tmp_path / "rows.jsonl", 16, 1900, 0), out, MAX_REQUEUES="1")
-    for attempt in (1, 2):
-        wait_until(lambda n=attempt - 1: job(slurm, job_id).get("JobState") == "RUNNING"
-                   and job(slurm, job_id).get("Restarts") == str(n), 180, f"attempt {attempt}")
-        time.sleep(3)  # let the batch shell install its traps
-        subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm, check=True)
-        if attempt == 1:
-            release_when_requeued(slurm, job_id, 1)
+    wait_until(lambda: job(slurm, job_id).get("JobState") == "RUNNING", 180, "attempt 1")
+    time.sleep(5)  # the batch shell has installed its traps
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm, check=True)
+    release_when_requeued(slurm, job_id, 1)
+    time.sleep(5)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm, check=True)
     info = wait_done(slurm, job_id)
-    assert info["JobState"] != "COMPLETED" and info["Restarts"] == "1"
+    time.sleep(3)  # a requeue would show up as PENDING now
+    assert job(slurm, job_id)["JobState"] != "COMPLETED" and info["Restarts"] == "1"
     log = (tmp_path / f"slurm-{job_id}.out").read_text()
     assert "not requeueing: already restarted 1 times (MAX_REQUEUES=1)" in log
 
