@@ -12,9 +12,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
-# Older config.json files name only the model_type; anything else (qwen3, ...) must not load as Llama.
-_ARCH_OF_MODEL_TYPE = {"llama": ["LlamaForCausalLM"], "mistral": ["MistralForCausalLM"]}
+# The model registry: what each supported architecture adds to the shared Llama-style decoder.
+FAMILIES: dict[str, dict[str, bool]] = {
+    "LlamaForCausalLM": {},
+    "MistralForCausalLM": {},
+    "Qwen2ForCausalLM": {"qkv_bias": True},  # bias on q/k/v, none on o_proj
+    "Qwen3ForCausalLM": {"qk_norm": True},  # per-head RMSNorm on q and k before RoPE
+}
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+# Older config.json files name only the model_type; anything unknown must not load as Llama.
+_ARCH_OF_MODEL_TYPE = {"llama": ["LlamaForCausalLM"], "mistral": ["MistralForCausalLM"],
+                       "qwen2": ["Qwen2ForCausalLM"], "qwen3": ["Qwen3ForCausalLM"]}
 
 
 @dataclass(frozen=True)
@@ -31,9 +39,12 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # bias on q, k, v and o (Llama's attention_bias)
     mlp_bias: bool
     torch_dtype: str
+    architecture: str = "LlamaForCausalLM"
+    qkv_bias: bool = False  # bias on q, k, v only (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -43,11 +54,15 @@ class ModelConfig:
                 f"config.json has no 'architectures' and its model_type {cfg.get('model_type')!r} is not one of "
                 f"{sorted(_ARCH_OF_MODEL_TYPE)}; supported architectures: {SUPPORTED_ARCHITECTURES}"
             )
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        arch = next((a for a in archs if a in FAMILIES), None)
+        if arch is None:
             raise ValueError(f"model architecture {archs} is not supported; expected one of {SUPPORTED_ARCHITECTURES}")
-        if cfg.get("sliding_window") not in (None, 0) and cfg.get("use_sliding_window", True) and "Mistral" in archs[0]:
-            # Dense Mistral checkpoints of v0.2+ set sliding_window to null; a real window needs masking we lack.
-            raise ValueError(f"sliding_window={cfg['sliding_window']} is not supported (dense attention only)")
+        window = cfg.get("sliding_window")
+        if window not in (None, 0) and cfg.get("use_sliding_window", True) and \
+                window < int(cfg.get("max_position_embeddings", 4096)):
+            # Dense Mistral v0.2+ sets it to null, Qwen sets use_sliding_window=false; a window no shorter
+            # than the context changes nothing. A real window needs masking we lack.
+            raise ValueError(f"sliding_window={window} is not supported (dense attention only)")
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         # transformers 5 folds rope_theta/rope_scaling into rope_parameters; older files have both at top level.
@@ -76,6 +91,8 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
+            architecture=arch,
+            **FAMILIES[arch],
         )
 
     @classmethod

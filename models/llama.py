@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3/3.x, SmolLM2, TinyLlama, dense Mistral).
+"""Llama-style decoder shared by every supported family (Llama 2/3/3.x, SmolLM2, dense Mistral, Qwen2/2.5,
+Qwen3); a family adds only what differs (models/config.py FAMILIES: q/k/v bias, per-head q/k norm).
 
 ``forward()`` takes no arguments: the batch, the attention backend and the KV
 cache come from the global forward context, which keeps the call signature
@@ -30,12 +31,16 @@ class LlamaAttention(nn.Module):
         self.layer_id = layer_id
         self.apply_rope = kernels.apply_rope
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias or cfg.qkv_bias
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.attention_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         ctx = get_ctx()
@@ -45,6 +50,9 @@ class LlamaAttention(nn.Module):
         q = q.reshape(-1, self.num_heads, d)
         k = k.reshape(-1, self.num_kv_heads, d)
         v = v.reshape(-1, self.num_kv_heads, d)
+        if self.qk_norm:  # over each head's vector, before RoPE
+            q = self.q_norm(q.reshape(-1, d))[0].view(-1, self.num_heads, d)
+            k = self.k_norm(k.reshape(-1, d))[0].view(-1, self.num_kv_heads, d)
         self.apply_rope(ctx.batch.positions, q, k, cos_sin)
         out = ctx.attn_backend.forward(q, k, v, self.layer_id)
         return self.o_proj(out.reshape(-1, self.num_heads * d))

@@ -96,10 +96,11 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     for i in range(cfg.num_layers):
         layer = f"model.layers.{i}."
+        qkv_bias = cfg.attention_bias or cfg.qkv_bias
         projections = {
-            "self_attn.q_proj": (cfg.num_heads * d, h, cfg.attention_bias),
-            "self_attn.k_proj": (cfg.num_kv_heads * d, h, cfg.attention_bias),
-            "self_attn.v_proj": (cfg.num_kv_heads * d, h, cfg.attention_bias),
+            "self_attn.q_proj": (cfg.num_heads * d, h, qkv_bias),
+            "self_attn.k_proj": (cfg.num_kv_heads * d, h, qkv_bias),
+            "self_attn.v_proj": (cfg.num_kv_heads * d, h, qkv_bias),
             "self_attn.o_proj": (h, cfg.num_heads * d, cfg.attention_bias),
             "mlp.gate_proj": (inter, h, cfg.mlp_bias),
             "mlp.up_proj": (inter, h, cfg.mlp_bias),
@@ -109,6 +110,9 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{layer}{name}.weight"] = (rows, cols)
             if bias:
                 shapes[f"{layer}{name}.bias"] = (rows,)
+        if cfg.qk_norm:
+            shapes[f"{layer}self_attn.q_norm.weight"] = (d,)
+            shapes[f"{layer}self_attn.k_norm.weight"] = (d,)
         shapes[f"{layer}input_layernorm.weight"] = (h,)
         shapes[f"{layer}post_attention_layernorm.weight"] = (h,)
     return shapes
