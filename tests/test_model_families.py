@@ -129,3 +129,19 @@ def test_family_config_rules():
     assert (qwen2.architecture, qwen2.qkv_bias, qwen2.qk_norm) == ("Qwen2ForCausalLM", True, False)
     big_window = ModelConfig.from_dict({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 4096})
     assert big_window.architecture == "MistralForCausalLM"  # no shorter than the context: plain attention
+
+
+@pytest.mark.parametrize("name,arch,flags,params_b", [
+    ("qwen2.5-7b", "Qwen2ForCausalLM", (True, False), 7.6), ("qwen3-8b", "Qwen3ForCausalLM", (False, True), 8.2),
+    ("mistral-7b-v0.3", "MistralForCausalLM", (False, False), 7.2),
+])
+def test_real_shape_configs_load_as_their_family(name, arch, flags, params_b):
+    """configs/models/ keeps the real shapes (for GPU numerics and benchmarks on random weights)."""
+    from models.config import ModelConfig
+    from models.weights.loader import checkpoint_shapes
+
+    cfg = ModelConfig.from_dir(Path(__file__).resolve().parents[1] / "configs" / "models" / name)
+    assert (cfg.architecture, cfg.qkv_bias, cfg.qk_norm) == (arch, *flags)
+    total = sum(torch.Size(s).numel() for s in checkpoint_shapes(cfg).values())
+    assert abs(total / 1e9 - params_b) < 0.1, total  # the published parameter counts
+    assert cfg.num_heads % 2 == 0 and cfg.num_kv_heads % 2 == 0  # TP=2 splits them
