@@ -344,10 +344,11 @@ def test_a_config_without_architectures_is_not_taken_for_llama():
 
     base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
             "num_attention_heads": 2}
-    with pytest.raises(ValueError, match="model_type 'qwen3'") as err:
-        ModelConfig.from_dict({**base, "model_type": "qwen3"})
-    assert "LlamaForCausalLM" in str(err.value)
-    assert ModelConfig.from_dict({**base, "model_type": "llama"}).num_heads == 2
+    with pytest.raises(ValueError, match="model_type 'gemma'") as err:
+        ModelConfig.from_dict({**base, "model_type": "gemma"})
+    assert "LlamaForCausalLM" in str(err.value) and "Qwen3ForCausalLM" in str(err.value)
+    assert ModelConfig.from_dict({**base, "model_type": "llama"}).architecture == "LlamaForCausalLM"
+    assert ModelConfig.from_dict({**base, "model_type": "qwen3"}).architecture == "Qwen3ForCausalLM"
 
 
 @pytest.mark.parametrize("override,named", [
