@@ -85,11 +85,12 @@ def release_when_requeued(env: dict[str, str], job_id: str, restarts: int) -> No
 
     def running_again() -> bool:
         info = job(env, job_id)
-        if info.get("JobState") == "PENDING":
+        if info.get("JobState") == "PENDING" and info.get("Restarts") == str(restarts):
             subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, capture_output=True)
         return info.get("JobState") == "RUNNING" and info.get("Restarts") == str(restarts)
 
-    wait_until(running_again, 240, f"job {job_id} to run again after its requeue")
+    # StartTime=now usually starts it at once; failing that, Slurm's own requeue delay (about 120 s) does.
+    wait_until(running_again, 330, f"job {job_id} to run again after its requeue")
 
 
 def ids(out: Path) -> list[int]:
