@@ -80,17 +80,12 @@ def wait_done(env: dict[str, str], job_id: str, timeout: float = 300) -> dict[st
     return job(env, job_id)
 
 
-def release_when_requeued(env: dict[str, str], job_id: str, restarts: int) -> None:
-    """Slurm holds a requeued job back for a while (its begin time); start it now, and see it run."""
-
-    def running_again() -> bool:
-        info = job(env, job_id)
-        if info.get("JobState") == "PENDING" and info.get("Restarts") == str(restarts):
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, capture_output=True)
-        return info.get("JobState") == "RUNNING" and info.get("Restarts") == str(restarts)
-
-    # StartTime=now usually starts it at once; failing that, Slurm's own requeue delay (about 120 s) does.
-    wait_until(running_again, 330, f"job {job_id} to run again after its requeue")
+def wait_for_requeued_run(env: dict[str, str], job_id: str, restarts: int) -> None:
+    """A requeued job starts again after Slurm's requeue delay (about 120 s). Not forced earlier with
+    StartTime=now: the old allocation's credential is still revoked then, and Slurm kills the job as
+    non-startable (seen in slurmctld.log: "Job credential revoked")."""
+    wait_until(lambda: job(env, job_id).get("JobState") == "RUNNING" and job(env, job_id).get("Restarts") == str(restarts),
+               330, f"job {job_id} to run again after its requeue")
 
 
 def ids(out: Path) -> list[int]:
@@ -110,7 +105,7 @@ def test_preemption_drains_requeues_and_the_next_attempt_finishes(slurm, tiny_mo
     job_id = submit(slurm, tiny_model, _rows(tmp_path / "rows.jsonl", 16, 40, 60), out)
     wait_until(lambda: out.exists() and out.read_text().strip(), 180, "the first row")
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm, check=True)  # the time-limit warning
-    release_when_requeued(slurm, job_id, 1)
+    wait_for_requeued_run(slurm, job_id, 1)
     info = wait_done(slurm, job_id)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1"
     assert ids(out) == list(range(16))  # exactly one row per id across the two attempts
@@ -141,7 +136,7 @@ def test_max_requeues_stops_a_job_that_never_finishes(slurm, tiny_model, tmp_pat
     wait_until(lambda: job(slurm, job_id).get("JobState") == "RUNNING", 180, "attempt 1")
     time.sleep(5)  # the batch shell has installed its traps
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm, check=True)
-    release_when_requeued(slurm, job_id, 1)
+    wait_for_requeued_run(slurm, job_id, 1)
     time.sleep(5)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm, check=True)
     info = wait_done(slurm, job_id)
