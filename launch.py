@@ -3,8 +3,11 @@
     python launch.py                                   # configs/default.yaml: built-in prompts
     python launch.py --config my.yaml cache.page_size=1
     torchrun --nproc-per-node 3 launch.py job.input=rows.jsonl job.output=out.jsonl
+    torchrun --nproc-per-node 8 launch.py parallel.tp_size=2 job.input=rows.jsonl job.output=out.jsonl  # DP 4 x TP 2
 
-Rank 0 runs the scheduler and the job; every other rank runs the worker loop.
+The world is DP replicas x TP ranks (``parallel.tp_size``; 0: one TP group of all ranks).
+The first rank of each TP group runs that replica's scheduler and its share of the job;
+every other rank runs the worker loop.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import logging
 import os
 import resource
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +28,7 @@ if TYPE_CHECKING:
     from runtime.frontend.llm import LLM
     from runtime.frontend.signals import Drain
 
+CONFIG_ERROR_GRACE_S = 10.0
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
 log = logging.getLogger("tpinfer")
 
@@ -36,7 +41,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run_rank0(cfg: RuntimeConfig) -> int:
+def run_leader(cfg: RuntimeConfig) -> int:
     from runtime.frontend.llm import LLM
     from runtime.frontend.signals import Drain, install_drain_handlers, restore_default_signals
 
@@ -59,26 +64,33 @@ def run_rank0(cfg: RuntimeConfig) -> int:
 
 def serve(cfg: RuntimeConfig, llm: LLM, drain: Drain) -> int:
     """The job (JSONL in, JSONL out) or the configured prompts; returns the exit code."""
+    from parallel.state import get_tp
     from runtime.frontend.signals import EXIT_PREEMPTED
 
     if cfg.job.input:
         from runtime.frontend.job import run_job
 
         m = run_job(llm, to_yaml(cfg))
-        print(f"{m['completed']} rows done, {m['errors']} errors, {m['already_done']} done before -> "
-              f"{cfg.job.output}; {m['output_tokens']} tokens at {m['output_tokens_per_s']:.1f} tokens/s")
-        if llm.interrupted or drain.requested:
+        if get_tp().dp_rank == 0:
+            replicas = f" over {m['dp_size']} replicas" if m["dp_size"] > 1 else ""
+            print(f"{m['completed']} rows done, {m['errors']} errors, {m['already_done']} done before -> "
+                  f"{cfg.job.output}; {m['output_tokens']} tokens at {m['output_tokens_per_s']:.1f} tokens/s{replicas}")
+        if m["interrupted"] or llm.interrupted or drain.requested:
             print(f"interrupted by signal: finished rows are on disk; rerun to complete (exit {EXIT_PREEMPTED})",
                   file=sys.stderr)
             return EXIT_PREEMPTED
         return 0
-    prompts = [[{"role": "user", "content": p}] if cfg.job.chat_template else p for p in cfg.job.prompts]
-    outputs = llm.generate(prompts)
-    for prompt, out in zip(cfg.job.prompts, outputs):
-        print(f"### {prompt}\n{out.error if out.error else out.text}\n")
+    tp = get_tp()
+    mine = cfg.job.prompts[tp.dp_rank :: tp.dp_size]  # data parallel: the prompts are dealt out to the replicas
+    if not mine:
+        return 0
+    outputs = llm.generate([[{"role": "user", "content": p}] if cfg.job.chat_template else p for p in mine])
+    replica = f" [replica {tp.dp_rank}]" if tp.dp_size > 1 else ""
+    for prompt, out in zip(mine, outputs):
+        print(f"###{replica} {prompt}\n{out.error if out.error else out.text}\n")
     stats = llm.last_stats
     print(f"{stats['output_tokens']} tokens in {stats['seconds']:.2f} s: {stats['tokens_per_s']:.1f} tokens/s "
-          f"({llm.engine.device.type}, tp={llm.engine.tp_size}, {len(outputs)} requests)")
+          f"({llm.engine.device.type}, tp={tp.size}, {len(outputs)} requests){replica}")
     return 0
 
 
@@ -125,9 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     rank = read_torchrun_env().rank
     logging.basicConfig(level=cfg.logging.level, format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
     try:
-        tp = init_distributed(wants_cuda(cfg.engine.device), cfg.parallel.timeout_s)
-        code = run_rank0(cfg) if tp.rank == 0 else run_worker(cfg)
-        report_peak_memory(tp.rank)
+        tp = init_distributed(wants_cuda(cfg.engine.device), cfg.parallel.timeout_s, tp_size=cfg.parallel.tp_size)
+        code = run_leader(cfg) if tp.rank == 0 else run_worker(cfg)
+        report_peak_memory(tp.global_rank)
     except KeyboardInterrupt:
         print(f"rank {rank}: interrupted (a second Ctrl-C); finished rows are on disk", file=sys.stderr, flush=True)
         exit_now(130)
@@ -135,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         # A configuration error (ValueError) is the same on every rank: rank 0 says it, once.
         if rank == 0 or not isinstance(exc, ValueError):
             print(f"error on rank {rank}: {exc}", file=sys.stderr, flush=True)
+        elif read_torchrun_env().world_size > 1:
+            # Leave rank 0 the time to say it: torchrun ends every rank once the first one exits.
+            time.sleep(CONFIG_ERROR_GRACE_S)
         if read_torchrun_env().world_size > 1:
             # Peers may be dead or stuck in a collective that never completes, and a graceful
             # teardown (NCCL communicator destroy) would wait for them: finished rows are already

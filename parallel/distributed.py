@@ -1,4 +1,4 @@
-"""torchrun integration: read the environment, create the process groups, agree on memory.
+"""torchrun integration: read the environment, lay out DP x TP, create the process groups, agree on memory.
 
 ``python launch.py`` without torchrun is world size 1 and creates no groups.
 """
@@ -34,10 +34,27 @@ def read_torchrun_env(environ: dict[str, str] | None = None) -> TorchrunEnv:
         raise ValueError(f"malformed torchrun environment (RANK/WORLD_SIZE/LOCAL_RANK): {exc}") from None
 
 
-def init_distributed(use_cuda: bool, timeout_s: int, env: TorchrunEnv | None = None) -> TPInfo:
-    """Join the job: NCCL device group on CUDA (device = LOCAL_RANK), gloo otherwise, plus a gloo CPU group."""
+def layout(env: TorchrunEnv, tp_size: int) -> TPInfo:
+    """This rank's place in DP x TP: ``tp_size`` 0 means the whole world is one TP group.
+
+    A replica is a contiguous block of ranks, so a TP group stays inside a node whenever
+    ``tp_size`` divides the GPUs per node (torchrun numbers ranks node by node).
+    """
+    tp = tp_size or env.world_size
+    if tp < 0 or env.world_size % tp != 0:
+        raise ValueError(
+            f"parallel.tp_size={tp_size} does not divide the world size {env.world_size}: "
+            f"the world is DP replicas x TP ranks (use a divisor of {env.world_size}, or 0 for TP over all ranks)"
+        )
+    return TPInfo(rank=env.rank % tp, size=tp, local_rank=env.local_rank, dp_rank=env.rank // tp,
+                  dp_size=env.world_size // tp)
+
+
+def init_distributed(use_cuda: bool, timeout_s: int, env: TorchrunEnv | None = None, tp_size: int = 0) -> TPInfo:
+    """Join the job: per replica an NCCL device group on CUDA (device = LOCAL_RANK), gloo otherwise, plus a gloo
+    CPU group."""
     env = env or read_torchrun_env()
-    info = TPInfo(rank=env.rank, size=env.world_size, local_rank=env.local_rank)
+    info = layout(env, tp_size)
     if env.world_size == 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
         set_tp(info)  # plain `python launch.py`: no process groups at all
         return info
@@ -54,8 +71,16 @@ def init_distributed(use_cuda: bool, timeout_s: int, env: TorchrunEnv | None = N
             backend="nccl" if use_cuda else "gloo", rank=env.rank, world_size=env.world_size, timeout=timeout,
             device_id=torch.device("cuda", env.local_rank) if use_cuda else None,
         )
-    device_group = dist.group.WORLD
-    cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+    if info.dp_size == 1:
+        device_group, cpu_group = dist.group.WORLD, dist.new_group(backend="gloo", timeout=timeout)
+    else:
+        # Every rank creates every replica's groups, in the same order (new_group is collective).
+        for replica in range(info.dp_size):
+            ranks = list(range(replica * info.size, (replica + 1) * info.size))
+            device = dist.new_group(ranks, timeout=timeout)
+            cpu = dist.new_group(ranks, backend="gloo", timeout=timeout)
+            if replica == info.dp_rank:
+                device_group, cpu_group = device, cpu
     set_tp(info, device_group, cpu_group)
     return info
 

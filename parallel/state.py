@@ -1,7 +1,10 @@
-"""Process-wide tensor-parallel state: this rank's place and its two groups.
+"""Process-wide parallel state: this rank's place in its TP group and replica, and its two groups.
 
-The device group (NCCL on CUDA, gloo on CPU) carries activations; the CPU group
-(always gloo) carries control traffic: batch descriptors and memory agreement.
+The world is DP replicas x TP ranks, each replica a contiguous block of ranks.
+The device group (NCCL on CUDA, gloo on CPU) of a replica carries its activations;
+its CPU group (always gloo) carries control traffic: batch descriptors and memory
+agreement. Replicas never share a collective: they coordinate through the
+torchrun store (``get_store``), which has no timeout to outlive.
 """
 
 from __future__ import annotations
@@ -16,9 +19,15 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class TPInfo:
-    rank: int = 0
-    size: int = 1
-    local_rank: int = 0
+    rank: int = 0  # within the TP group (0: the replica's leader, which runs its scheduler)
+    size: int = 1  # TP size
+    local_rank: int = 0  # the CUDA device index on this node
+    dp_rank: int = 0  # which replica
+    dp_size: int = 1  # how many replicas
+
+    @property
+    def global_rank(self) -> int:
+        return self.dp_rank * self.size + self.rank
 
     @property
     def is_primary(self) -> bool:
@@ -53,6 +62,14 @@ def set_custom_all_reduce(comm: CustomAllReduce | None) -> None:
 
 def get_tp() -> TPInfo:
     return _tp
+
+
+def get_store() -> dist.Store | None:
+    """The torchrun rendezvous store (a key-value server every rank reaches), or None without groups."""
+    if not dist.is_initialized():
+        return None
+    # Private accessor, stable across PyTorch 2.x; the default group's store is the rendezvous store.
+    return dist.distributed_c10d._get_default_store()
 
 
 def get_cpu_group() -> dist.ProcessGroup | None:

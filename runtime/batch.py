@@ -9,7 +9,7 @@ batch from a broadcast without any ``Req`` objects.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import numpy as np
 import torch
@@ -17,13 +17,35 @@ import torch
 from runtime.sampling_params import SamplingParams
 
 
+class TokenLogprob(TypedDict):
+    """One token's logprob under the model's distribution (before temperature / top-k / top-p), JSON-ready."""
+
+    token_id: int
+    logprob: float
+    top: list[list[int | float]]  # [[token_id, logprob], ...], most likely first; k entries
+
+
+def _splitmix(x: int) -> int:
+    """splitmix64's finaliser, truncated to 63 bits (a valid int64 seed)."""
+    x &= 2**64 - 1
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (x ^ (x >> 31)) >> 1
+
+
 def unseeded_key(run_seed: int, uid: int) -> int:
     """The RNG key of a request without a seed: a splitmix64 hash of (run seed, request id), so it does
     not collide with small user seeds (``seed=3`` and request 3 must not draw the same noise)."""
-    x = (run_seed * 0x9E3779B97F4A7C15 + uid + 0x632BE59BD9B4E019) & (2**64 - 1)
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
-    return (x ^ (x >> 31)) >> 1  # 63 bits: a valid int64 seed
+    return _splitmix(run_seed * 0x9E3779B97F4A7C15 + uid + 0x632BE59BD9B4E019)
+
+
+def sample_seed(seed: int, sample_index: int) -> int:
+    """The seed of sample ``sample_index`` of a request seeded with ``seed``: sample 0 keeps ``seed`` (n=1 draws
+    exactly what it always drew); the others hash (seed, index) with their own constant, so they collide
+    neither with each other, nor with small user seeds, nor with ``unseeded_key`` streams."""
+    if sample_index == 0:
+        return seed
+    return _splitmix(seed * 0xD1B54A32D192ED03 + sample_index * 0x9E3779B97F4A7C15 + 0x2545F4914F6CDD1D)
 
 
 @dataclass(eq=False)
@@ -45,14 +67,55 @@ class Req:
     text: str | None = None  # set when a stop string cut the text; otherwise decoded at the end
     detok: Any = None  # incremental detokenizer, only for requests with stop strings
     sampling_row: tuple = ()  # (temperature, top_k, top_p, seed, seeded), fixed for the request's life
+    # n > 1: sample i of a prompt is a request of its own; the siblings (i > 0) point at sample 0.
+    sample_index: int = 0
+    leader: Req | None = None  # sample 0, whose prompt KV the siblings wait for in the prefix cache
+    prompt_cached: bool = False  # the whole prompt's KV has been offered to the prefix cache
+    # Logprobs (None when not asked): per generated token, and per prompt token (None for the first).
+    output_logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # asked of sample 0 only: the prompt is shared
+    logprob_ks: tuple[int, int] = (-1, -1)  # (logprobs k, prompt_logprobs k) for the batch; -1 = off
 
     def __post_init__(self) -> None:
         self.device_len = len(self.prompt_ids)
         p = self.sampling
-        seed = p.seed if p.seed is not None else unseeded_key(self.run_seed, self.uid)
+        if p.seed is not None:
+            seed = sample_seed(p.seed, self.sample_index)
+        else:  # siblings have uids of their own, hence streams of their own
+            seed = unseeded_key(self.run_seed, self.uid)
         temperature = 0.0 if p.is_greedy else p.temperature
         top_k = p.top_k if 0 < p.top_k < 2**31 else -1  # beyond int32 it cannot restrict any vocabulary
         self.sampling_row = (temperature, top_k, p.top_p, seed, p.seed is not None)
+        prompt_k = p.prompt_logprobs if self.sample_index == 0 and p.prompt_logprobs is not None else -1
+        self.logprob_ks = (-1 if p.logprobs is None else p.logprobs, prompt_k)
+        if p.logprobs is not None:
+            self.output_logprobs, self.cumulative_logprob = [], 0.0
+        if prompt_k >= 0:
+            self.prompt_logprobs = [None]  # the first prompt token has no context to be predicted from
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprob_ks != (-1, -1)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Every prompt position must be computed (no cached prefix may stand in for it)."""
+        return self.logprob_ks[1] >= 0
+
+    def make_sibling(self, uid: int, sample_index: int) -> Req:
+        """Sample ``sample_index`` (>= 1) of this request's prompt: same prompt, parameters and input index,
+        its own ``uid`` (unseeded sampling draws from (run seed, uid)) and, when seeded, its own derived seed.
+
+        Add it to the scheduler after this request: with the radix cache it is admitted only once this
+        request's prompt KV is cached, and then computes just the prompt's last partial page.
+        """
+        assert self.sample_index == 0 and sample_index >= 1, "siblings hang off sample 0"
+        sibling = Req(uid, self.prompt_ids, self.sampling, self.max_new_tokens, run_seed=self.run_seed,
+                      index=self.index, sample_index=sample_index, leader=self)
+        if self.detok is not None:  # stop strings: each sample detokenizes its own text
+            sibling.detok = type(self.detok)(self.detok.tokenizer)
+        return sibling
 
     @property
     def prompt_len(self) -> int:
@@ -78,6 +141,12 @@ class Req:
             self.device_len += 1  # the step samples the next token into the pool
 
 
+def make_sample_group(first: Req, uids: list[int]) -> list[Req]:
+    """``[first, sibling 1, ...]``: the ``len(uids) + 1`` samples of ``first``'s prompt (``SamplingParams.n``),
+    ``uids`` being fresh request ids for the siblings. Add them to the scheduler in this order."""
+    return [first] + [first.make_sibling(uid, i) for i, uid in enumerate(uids, start=1)]
+
+
 @dataclass
 class Batch:
     phase: Literal["prefill", "decode"]
@@ -96,6 +165,9 @@ class Batch:
     admit_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     admit_page_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     admit_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    # Logprobs, per row (-1: this row does not ask); None when no row asks, so such steps do nothing extra.
+    logprobs: np.ndarray | None = None  # int32 [B]: alternatives reported with each sampled token
+    prompt_logprobs: np.ndarray | None = None  # int32 [B], prefill only: the same for the chunk's prompt tokens
     reqs: list[Req] = field(default_factory=list)  # rank 0 only
     # Filled by the engine before the forward pass.
     padded_size: int = 0

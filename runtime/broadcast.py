@@ -1,4 +1,4 @@
-"""Rank 0 -> all ranks: the step's batch descriptor as int tensors over the gloo CPU group.
+"""A replica's leader -> its TP ranks: the step's batch descriptor as int tensors over the gloo CPU group.
 
 Two broadcasts per step: a fixed-size header (kind and array lengths), then one
 int64 payload holding every array (float32 arrays travel as their bit
@@ -18,10 +18,12 @@ STOP, IDLE, PREFILL, DECODE = 0, 1, 2, 3
 _INT_FIELDS = ("rows", "starts", "ext_lens", "sample_rows", "top_k", "seeds", "seeded")
 _FLOAT_FIELDS = ("temperature", "top_p")
 _ADMIT_FIELDS = ("admit_rows", "admit_token_lens", "admit_tokens", "admit_page_lens", "admit_pages")
+# Per-row arrays that only some steps carry; header[5] has bit i set when _OPTIONAL_FIELDS[i] travels.
+_OPTIONAL_FIELDS = ("logprobs", "prompt_logprobs")
 
 
 def _broadcast(t: torch.Tensor) -> torch.Tensor:
-    dist.broadcast(t, src=0, group=get_cpu_group())
+    dist.broadcast(t, group_src=0, group=get_cpu_group())  # the replica's leader (rank 0 of its group)
     return t
 
 
@@ -31,10 +33,14 @@ def send_batch(batch: Batch | None, stop: bool = False) -> None:
         _broadcast(torch.tensor([STOP if stop else IDLE, 0, 0, 0, 0, 0], dtype=torch.int64))
         return
     admit = [getattr(batch, f) for f in _ADMIT_FIELDS]
-    header = [PREFILL if batch.phase == "prefill" else DECODE, batch.size, len(admit[0]), len(admit[2]), len(admit[4]), 0]
+    optional = [getattr(batch, f) for f in _OPTIONAL_FIELDS]
+    flags = sum(1 << i for i, a in enumerate(optional) if a is not None)
+    header = [PREFILL if batch.phase == "prefill" else DECODE, batch.size, len(admit[0]), len(admit[2]), len(admit[4]),
+              flags]
     parts = [getattr(batch, f).astype(np.int64) for f in _INT_FIELDS]
     parts += [getattr(batch, f).astype(np.float32).view(np.int32).astype(np.int64) for f in _FLOAT_FIELDS]
     parts += [a.astype(np.int64) for a in admit]
+    parts += [a.astype(np.int64) for a in optional if a is not None]
     _broadcast(torch.tensor(header, dtype=torch.int64))
     _broadcast(torch.from_numpy(np.concatenate(parts)))
 
@@ -42,10 +48,12 @@ def send_batch(batch: Batch | None, stop: bool = False) -> None:
 def recv_batch() -> Batch | int:
     """Other ranks: the next step's batch, or STOP / IDLE."""
     header = _broadcast(torch.zeros(6, dtype=torch.int64)).tolist()
-    kind, n, n_admit, n_tokens, n_pages = header[:5]
+    kind, n, n_admit, n_tokens, n_pages, flags = header
     if kind in (STOP, IDLE):
         return kind
+    optional = [f for i, f in enumerate(_OPTIONAL_FIELDS) if flags >> i & 1]
     sizes = [n] * (len(_INT_FIELDS) + len(_FLOAT_FIELDS)) + [n_admit, n_admit, n_tokens, n_admit, n_pages]
+    sizes += [n] * len(optional)
     payload = _broadcast(torch.empty(sum(sizes), dtype=torch.int64)).numpy()
     arrays = np.split(payload, np.cumsum(sizes)[:-1])
     values: dict = {}
@@ -55,5 +63,7 @@ def recv_batch() -> Batch | int:
     for name, arr in zip(_FLOAT_FIELDS, arrays[len(_INT_FIELDS) :]):
         values[name] = arr.astype(np.int32).view(np.float32)
     for name, arr in zip(_ADMIT_FIELDS, arrays[len(_INT_FIELDS) + len(_FLOAT_FIELDS) :]):
+        values[name] = arr.astype(np.int32)
+    for name, arr in zip(optional, arrays[len(sizes) - len(optional) :]):
         values[name] = arr.astype(np.int32)
     return Batch(phase="prefill" if kind == PREFILL else "decode", **values)

@@ -67,6 +67,9 @@ class SamplingSection:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    logprobs: int | None = None  # k: each generated token's logprob + its top-k alternatives (k <= 20)
+    prompt_logprobs: int | None = None  # k: the same for every prompt token after the first
+    n: int = 1  # independent samples per prompt, sharing the prompt's prefill
 
 
 @dataclass
@@ -84,6 +87,9 @@ class JobSection:
 
 @dataclass
 class ParallelSection:
+    # Ranks per tensor-parallel group; the world is world_size / tp_size data-parallel replicas,
+    # each with its own scheduler, all fed from one job. 0: one TP group over the whole world.
+    tp_size: int = 0
     timeout_s: int = 300  # collective timeout
     memory_imbalance_bytes: int = 2 << 30  # refuse to start if ranks' free memory differs by more
     # auto: symmetric-memory (CUDA IPC) all-reduce for decode-sized messages, NCCL for the rest | nccl | symm_mem
@@ -124,7 +130,7 @@ _CHOICES = {
 _POSITIVE = ("model.max_seq_len", "cache.page_size", "scheduler.max_running_requests", "scheduler.max_prefill_tokens",
              "cache.cpu_memory_bytes", "parallel.timeout_s")
 _NON_NEGATIVE = ("cache.num_pages", "job.drain_timeout_s", "job.fsync_every_s", "engine.cuda_graph_max_bs",
-                 "parallel.memory_imbalance_bytes")
+                 "parallel.memory_imbalance_bytes", "parallel.tp_size")
 
 
 def _all_keys(node: Any, prefix: str = "") -> list[str]:

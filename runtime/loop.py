@@ -18,8 +18,12 @@ from runtime.scheduler import Scheduler
 def run_until_idle(
     scheduler: Scheduler, engine: Engine, outputs: OutputProcessor, overlap: bool, on_finish: Callable[[Req], None],
     on_batch: Callable[[Batch | None], None] | None = None, drain: Drain | None = None, drain_timeout_s: float = 0.0,
+    refill: Callable[[], bool] | None = None,
 ) -> bool:
-    """Serve until nothing is left; returns False if a drain request cut the run short."""
+    """Serve until nothing is left; returns False if a drain request cut the run short.
+
+    ``refill`` (jobs) tops up the waiting queue before each decision and says whether more may come.
+    """
     last: tuple[Batch, ForwardOutput] | None = None
 
     def handle(step: tuple[Batch, ForwardOutput]) -> None:
@@ -28,6 +32,7 @@ def run_until_idle(
             on_finish(req)
 
     while True:
+        more = refill() if refill is not None else False
         if drain is not None and drain.requested:
             scheduler.draining = True  # admit nothing new; what runs may finish
             if drain.expired(drain_timeout_s):
@@ -47,6 +52,8 @@ def run_until_idle(
             handle(last)
             last = None
         if batch is None and not had_pending:
+            if scheduler.idle and more:
+                continue  # the source may still hand out rows (another replica may have taken the last ones)
             if scheduler.idle:
                 return True
             if scheduler.draining:

@@ -7,9 +7,30 @@ runs while the GPU computes the next step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from runtime.batch import Batch, Req
+from runtime.batch import Batch, Req, TokenLogprob
+
+
+@dataclass
+class SampleOutput:
+    """What differs between the samples of one prompt (``SamplingParams.n``); the prompt's own data
+    (prompt tokens, ``prompt_logprobs``) is the request's, taken from sample 0."""
+
+    sample_index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    completion_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None
+
+    @classmethod
+    def from_req(cls, req: Req, text: str) -> SampleOutput:
+        """``text``: the caller's decoding of ``req.output_ids`` (``req.text`` when a stop string cut it)."""
+        return cls(req.sample_index, text, list(req.output_ids), req.finish_reason, len(req.output_ids),
+                   req.output_logprobs, req.cumulative_logprob)
 
 
 class OutputProcessor:
@@ -21,6 +42,8 @@ class OutputProcessor:
         """Take a finished step's tokens; returns the requests that finished with them."""
         if output.copy_done_event is not None:
             output.copy_done_event.synchronize()
+        if output.logprobs is not None:  # before the tokens: a request finishing now still gets its last entry
+            output.logprobs.apply(batch.reqs)
         tokens = output.next_tokens_cpu.tolist()
         finished = []
         for req, token, row in zip(batch.reqs, tokens, batch.sample_rows.tolist()):

@@ -6,6 +6,9 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+MAX_LOGPROBS = 20  # top alternatives per token: each costs a top-k over the vocabulary and host work
+MAX_N = 128  # samples per prompt: each is a request of its own (a row, pages, a sampler stream)
+
 
 @dataclass
 class SamplingParams:
@@ -17,6 +20,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    logprobs: int | None = None  # None: off; k: each sampled token's logprob and its top-k alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    n: int = 1  # independent samples of the prompt (they share its prefill through the prefix cache)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +61,12 @@ class SamplingParams:
             raise bad("ignore_eos", "must be true or false (a JSON boolean, not a string)")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise bad("seed", "must be an integer in [0, 2**63)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, f"must be null (off) or an integer in [0, {MAX_LOGPROBS}] (alternatives per token)")
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be an integer in [1, {MAX_N}]")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], base: SamplingParams | None = None) -> SamplingParams:

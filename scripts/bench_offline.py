@@ -36,6 +36,10 @@ RUNS = {
     "tpinfer_no_overlap": ({"scheduler__overlap": False}, False),
     "tpinfer_nccl": ({"parallel__all_reduce": "nccl"}, False),  # TP > 1: every all-reduce through NCCL
     "tpinfer_fixed": ({}, True),
+    # Evals and RL: 8 samples of each of 32 prompts at temperature 1 (as many sequences as the base
+    # run); logprobs with the top 5 alternatives on every row of the base workload.
+    "tpinfer_n8": ({"bench__n": 8, "bench__num_requests": 32, "bench__temperature": 1.0}, False),
+    "tpinfer_logprobs5": ({"bench__logprobs": 5}, False),
     "shared_prefix_radix": ({"cache__type": "radix"}, "shared"),
     "shared_prefix_naive": ({"cache__type": "naive"}, "shared"),
 }

@@ -131,9 +131,10 @@ def run_tpinfer(cfg: BenchConfig, fixed: bool | str, limits: dict[str, float] | 
 
     llm = LLM(config=cfg)
     prompts, outs = workload(cfg, fixed)
-    params = [SamplingParams(temperature=cfg.bench.temperature, max_new_tokens=n, ignore_eos=True) for n in outs]
-    # Warm-up on a few requests: kernel loads and allocator growth are not part of the measurement.
-    # Shifted ids: the warm-up must not seed the prefix cache with the measured prompts.
+    b = cfg.bench
+    params = [SamplingParams(temperature=b.temperature, max_new_tokens=n, ignore_eos=True, n=b.n, logprobs=b.logprobs)
+              for n in outs]
+    # Warm-up (kernel loads, allocator growth); shifted ids, so it does not seed the prefix cache.
     warm = [[(t + 1) % cfg.bench.token_id_limit for t in p] for p in prompts[:8]]
     llm.generate(warm, [SamplingParams(temperature=cfg.bench.temperature, max_new_tokens=16, ignore_eos=True)] * 8)
     log = StepLog()
@@ -144,11 +145,13 @@ def run_tpinfer(cfg: BenchConfig, fixed: bool | str, limits: dict[str, float] | 
     results = llm.run([(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))], on_batch=log)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    assert all(r.error is None and r.completion_tokens == n for r, n in zip(results, outs)), "benchmark requests failed"
-    generated = sum(outs)
+    assert all(r.error is None and [(s.completion_tokens, len(s.logprobs or [0] * n)) for s in r.outputs] == [(n, n)]
+               * b.n for r, n in zip(results, outs)), "benchmark requests failed"
+    generated = sum(outs) * b.n
     stats = llm.scheduler.stats
     row = {
         "prefill_tokens_computed": stats.prefill_tokens - warm_prefill,
+        "prompt_tokens_times_n": sum(map(len, prompts)) * b.n, "n": b.n, "logprobs": b.logprobs,
         "cached_tokens": stats.cached_tokens - warm_cached,
         "cache": cfg.cache.type,
         "seconds": seconds, "output_tokens": generated, "output_tok_s": generated / seconds,
@@ -166,10 +169,7 @@ def run_tpinfer(cfg: BenchConfig, fixed: bool | str, limits: dict[str, float] | 
 
 
 def release(llm) -> None:  # noqa: ANN001 - runtime.LLM
-    """Give the GPU back before the next measurement in this process: graphs, KV cache, weights.
-
-    The caller still holds ``llm``; emptying it drops the engine (and its Engine <-> GraphRunner cycle).
-    """
+    """Give the GPU back before the next measurement in this process (the caller still holds ``llm``)."""
     llm.shutdown()
     llm.__dict__.clear()
     gc.collect()
@@ -196,7 +196,7 @@ def batch1_step_time(cfg: BenchConfig, graphs: bool) -> float:
 
 def run_hf(cfg: BenchConfig, mode: str) -> dict:
     """HF transformers on the same random weights (built by our loader, shared by reference)."""
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     from models.weights.default_model import resolve_model_path
     from models.weights.loader import to_hf_state_dict
@@ -204,10 +204,13 @@ def run_hf(cfg: BenchConfig, mode: str) -> dict:
 
     owner = LLM(config=cfg)  # creates the weights exactly as the tpinfer runs do
     model_dir = resolve_model_path(cfg.model.path)
-    hf_cfg = LlamaConfig.from_pretrained(str(model_dir))
+    hf_cfg = AutoConfig.from_pretrained(str(model_dir))  # the family's own class: Qwen2 biases, Qwen3 q/k norms
     with torch.device("meta"):
-        model = LlamaForCausalLM(hf_cfg)
-    model.load_state_dict(to_hf_state_dict(owner.engine.model), strict=False, assign=True)
+        model = AutoModelForCausalLM.from_config(hf_cfg)
+    keys = model.load_state_dict(to_hf_state_dict(owner.engine.model), strict=False, assign=True)
+    missing = [k for k in keys.missing_keys if not (hf_cfg.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or keys.unexpected_keys:  # the peer must be the same model, not a silently partial one
+        raise RuntimeError(f"HF peer does not match our weights: missing {missing}, unexpected {keys.unexpected_keys}")
     if hf_cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb = type(model.model.rotary_emb)(hf_cfg).to("cuda")

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.engine.kv_cache import DUMMY_PAGE, KVCache, compute_num_pages, page_bytes
-from runtime.frontend.job import read_rows
+from runtime.frontend.job_files import read_rows
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler.pages import PageAllocator
 
@@ -150,7 +150,7 @@ def test_allocator_against_a_reference_set_model(num_pages, ops):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# runtime.frontend.job.read_rows
+# runtime.frontend.job_files.read_rows
 # ---------------------------------------------------------------------------------------------------------
 def write_jsonl(tmp_path: Path, lines: list[str]) -> Path:
     path = tmp_path / "rows.jsonl"

@@ -1,5 +1,6 @@
 """Qwen2, Qwen3 and Mistral against HF transformers' own classes on tiny random checkpoints (float32, CPU):
-logits, greedy generation, and TP=2 equal to TP=1 over gloo."""
+logits, greedy generation, TP=2 and TP=3 (every family, Llama too) equal to TP=1 over gloo; checkpoints that
+do not fit their config fail at load naming every tensor that is wrong."""
 
 from __future__ import annotations
 
@@ -36,10 +37,8 @@ def _families() -> dict[str, tuple]:
     }
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3", "mistral"])
-def family_dir(request, tmp_path_factory) -> tuple[str, Path]:
-    cls, cfg = _families()[request.param]
-    torch.manual_seed(7)
+def _save_random(cls: type, cfg: object, path: Path, seed: int = 7) -> Path:
+    torch.manual_seed(seed)
     model = cls(cfg).to(torch.float32)
     with torch.no_grad():  # random init leaves norms at 1 and biases at 0: perturb them so errors show
         for name, p in model.named_parameters():
@@ -47,10 +46,15 @@ def family_dir(request, tmp_path_factory) -> tuple[str, Path]:
                 p.add_(torch.randn_like(p) * 0.1)
             elif name.endswith("bias"):
                 p.normal_(0, 0.05)
-    path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path, safe_serialization=True)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": VOCAB - 1}))
-    return request.param, path
+    return path
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "mistral"])
+def family_dir(request, tmp_path_factory) -> tuple[str, Path]:
+    cls, cfg = _families()[request.param]
+    return request.param, _save_random(cls, cfg, tmp_path_factory.mktemp(request.param))
 
 
 def _hf(path: Path):  # noqa: ANN202
@@ -59,9 +63,9 @@ def _hf(path: Path):  # noqa: ANN202
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
-def _prompts(seed: int) -> list[list[int]]:
+def _prompts(seed: int, lengths: tuple[int, ...] = (5, 23, 70)) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB - 1, (n,), generator=gen).tolist() for n in (5, 23, 70)]
+    return [torch.randint(0, VOCAB - 1, (n,), generator=gen).tolist() for n in lengths]
 
 
 def test_logits_match_hf(family_dir):
@@ -145,3 +149,107 @@ def test_real_shape_configs_load_as_their_family(name, arch, flags, params_b):
     total = sum(torch.Size(s).numel() for s in checkpoint_shapes(cfg).values())
     assert abs(total / 1e9 - params_b) < 0.1, total  # the published parameter counts
     assert cfg.num_heads % 2 == 0 and cfg.num_kv_heads % 2 == 0  # TP=2 splits them
+
+
+# Shapes TP=3 splits: 6 query heads, an intermediate size and head_dim*heads divisible by 3, a vocabulary that is
+# not (the last shard is padded).
+TP3 = dict(vocab_size=VOCAB, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=6,
+           max_position_embeddings=1024, rms_norm_eps=1e-6, eos_token_id=VOCAB - 1)
+
+
+def _tp3_families(layers: int = 2) -> dict[str, tuple]:
+    """KV heads split over the ranks (llama: 3, one per rank; mistral: 6, two per rank) or fewer than the ranks
+    (qwen2, qwen3: 1, replicated on all three, which QKVParallelLinear does when TP is a multiple of them)."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    c = {**TP3, "num_hidden_layers": layers}
+    llama3_rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 256}
+    return {
+        "llama": (LlamaForCausalLM, LlamaConfig(**c, num_key_value_heads=3, rope_theta=5e5, rope_scaling=llama3_rope)),
+        "qwen2": (Qwen2ForCausalLM, Qwen2Config(**c, num_key_value_heads=1, rope_theta=1e6, tie_word_embeddings=True,
+                                                use_sliding_window=False)),
+        "qwen3": (Qwen3ForCausalLM, Qwen3Config(**c, num_key_value_heads=1, head_dim=32, rope_theta=1e6,
+                                                tie_word_embeddings=False)),
+        "mistral": (MistralForCausalLM, MistralConfig(**c, num_key_value_heads=6, rope_theta=1e4, sliding_window=None)),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral"])
+def test_tp3_equals_tp1_and_hf(name, tmp_path):
+    """TP=3 over gloo: teacher-forced logits (chunked prefill, decode) and generation (greedy and sampled) equal
+    TP=1, the same bits on every rank; TP=1 equals HF's logits, and TP=3's greedy tokens equal HF's generate."""
+    from tests.test_tp import PARAMS, _check, logits_and_generation, reference
+
+    cls, cfg = _tp3_families()[name]
+    path = _save_random(cls, cfg, tmp_path, seed=13)
+    prompts, gen_prompts = _prompts(4), _prompts(5, (3, 17, 45, 8, 30))
+    ref = reference(str(path), prompts, gen_prompts, PARAMS)
+    hf = _hf(path)
+    with torch.no_grad():
+        for p, ours in zip(prompts, ref["logits"]):
+            assert relative_error(ours, hf(torch.tensor([p])).logits[0]) <= 1e-5, name
+        greedy = hf.generate(torch.tensor([gen_prompts[0]]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    ranks = run_ranks(3, logits_and_generation, str(path), prompts, gen_prompts, PARAMS)
+    _check(ranks, ref)
+    assert PARAMS[0]["temperature"] == 0 and ranks[0]["outputs"][0] == greedy[0, len(gen_prompts[0]):].tolist(), name
+
+
+def _edit_checkpoint(path: Path, drop: list[str], add: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    assert set(drop) <= set(tensors)  # the test removes tensors that really were there
+    tensors = {k: v for k, v in tensors.items() if k not in drop} | add
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def _load_error(path: Path) -> str:
+    from models.config import ModelConfig
+    from models.weights.loader import load_model
+
+    with pytest.raises(ValueError) as err:
+        load_model(path, ModelConfig.from_dir(path), torch.device("cpu"), torch.float32, 64)
+    return str(err.value)
+
+
+def test_checkpoint_with_a_missing_and_an_unexpected_tensor_fails_naming_both(tmp_path):
+    """k_proj is one shard of the fused qkv_proj: before, the q and v shards counted it as loaded."""
+    cls, cfg = _tp3_families()["qwen3"]
+    path = _save_random(cls, cfg, tmp_path)
+    _edit_checkpoint(path, ["model.layers.1.self_attn.k_proj.weight"],
+                     {"model.layers.0.mlp.extra_proj.weight": torch.zeros(3, 4)})
+    msg = _load_error(path)
+    assert "1 missing, 1 unexpected" in msg
+    assert "missing: model.layers.1.self_attn.k_proj.weight (32, 96)" in msg.splitlines()[1]
+    assert "unexpected: model.layers.0.mlp.extra_proj.weight (3, 4) in model.safetensors" in msg.splitlines()[2]
+
+
+def test_checkpoint_missing_many_tensors_names_every_one_in_layer_order(tmp_path):
+    from safetensors import safe_open
+
+    cls, cfg = _tp3_families(layers=12)["qwen2"]  # layer 10 must be listed after layer 2
+    path = _save_random(cls, cfg, tmp_path)
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+    drop = sorted(n for n in names if n.endswith("v_proj.bias") or "layers.10." in n)
+    wrong = {"model.layers.3.mlp.down_proj.weight": torch.zeros(96, 190), "model.norm.weight": torch.ones(95)}
+    _edit_checkpoint(path, drop + list(wrong), wrong)
+    msg = _load_error(path)
+    missing = [line.split()[1] for line in msg.splitlines() if line.startswith("  missing: ")]
+    assert len(drop) == 12 + 12 - 1 and sorted(missing) == drop  # every v_proj.bias and all 12 of layer 10
+    assert missing.index("model.layers.2.self_attn.v_proj.bias") < missing.index("model.layers.10.mlp.up_proj.weight")
+    assert "wrong shape: model.layers.3.mlp.down_proj.weight is (96, 190) in model.safetensors, expected (96, 192)" in msg
+    assert "wrong shape: model.norm.weight is (95,)" in msg
+    assert f"{len(drop)} missing, 2 with the wrong shape" in msg.splitlines()[0]

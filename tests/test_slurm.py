@@ -119,6 +119,22 @@ def test_cli_quotes_passthrough_and_takes_options(tmp_path):
                                "--max-restarts=0 launch.py 'job.output=my out.jsonl'\n")
 
 
+@pytest.mark.parametrize("tp,layout", [("8", "DP 2 x TP 8 (each TP group inside one node)"),
+                                       ("1", "DP 16 x TP 1 (each TP group inside one node)"),
+                                       ("16", "DP 1 x TP 16 (WARNING: TP groups span nodes")])
+def test_cli_tp_size_shows_the_dp_x_tp_layout(tmp_path, tp, layout):
+    out = _cli(tmp_path, FAKE_2_NODES, "--dry-run", "--tp-size", tp, "--", "launch.py")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.endswith(f"--max-restarts=0 launch.py parallel.tp_size={tp}\n")
+    assert f"2 nodes x 8 ranks = 16 ranks: {layout}" in out.stderr
+
+
+def test_cli_tp_size_that_does_not_divide_the_world_exits_2(tmp_path):
+    out = _cli(tmp_path, FAKE_2_NODES, "--dry-run", "--tp-size", "3", "--", "launch.py")
+    assert out.returncode == 2 and out.stdout == ""
+    assert "--tp-size 3 does not divide the world of 2 nodes x 8 ranks = 16" in out.stderr
+
+
 def test_cli_missing_nodelist_exits_2(tmp_path):
     env = {k: v for k, v in FAKE_2_NODES.items() if k != "SLURM_JOB_NODELIST"}
     out = _cli(tmp_path, env, "--dry-run", "--", "launch.py")

@@ -7,6 +7,7 @@ slice this rank owns (safetensors slices are memory-mapped reads).
 
 from __future__ import annotations
 
+import re
 import zlib
 from pathlib import Path
 
@@ -49,31 +50,70 @@ def load_model(
     path = Path(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, kernels)
+    if random_seed is None:
+        files = checkpoint_files(path)
+        # Names and shapes come from the file headers, so a checkpoint that does not fit fails before any
+        # memory is allocated or tensor read, with everything that is wrong with it in one message.
+        check_checkpoint(path, checkpoint_index(files), model)
     materialize(model, device, dtype)
     if random_seed is not None:
         randomize(model, random_seed)
         model.init_rope(max_positions, device)
         return model
     params = dict(model.named_parameters())
-    loaded: set[str] = set()
+    filled: set[str] = set()
     with torch.no_grad():
-        for file in checkpoint_files(path):
+        for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for ckpt_name in f.keys():
                     target = _target_param(ckpt_name, model)
                     if target is None:
                         continue
                     param_name, shard_id = target
-                    if param_name not in params:
-                        raise ValueError(f"{file.name}: checkpoint tensor {ckpt_name} has no place in the model")
-                    param = params[param_name]
-                    param.weight_loader(param, f.get_slice(ckpt_name), shard_id)
-                    loaded.add(param_name)
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise ValueError(f"model directory {path} lacks weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+                    params[param_name].weight_loader(params[param_name], f.get_slice(ckpt_name), shard_id)
+                    filled.add(param_name)
+    # A guard on checkpoint_shapes itself (check_checkpoint trusts it): a parameter no tensor was written to
+    # would keep whatever the allocator left in its memory.
+    unfilled = sorted(set(params) - filled)
+    if unfilled:
+        raise RuntimeError(f"internal error: no checkpoint tensor of {path} was loaded into {unfilled}")
     model.init_rope(max_positions, device)
     return model
+
+
+def checkpoint_index(files: list[Path]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor in the checkpoint files: name -> (file name, shape), read from the headers only."""
+    index: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                index[name] = (file.name, tuple(f.get_slice(name).get_shape()))
+    return index
+
+
+def _natural(name: str) -> list[str | int]:
+    """Sort key that puts layer 2 before layer 10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def check_checkpoint(path: Path, index: dict[str, tuple[str, tuple[int, ...]]], model: LlamaForCausalLM) -> None:
+    """Raise one ValueError naming every missing, unexpected and wrongly shaped tensor, one per line."""
+    cfg = model.config
+    expected = checkpoint_shapes(cfg)
+    missing = sorted(expected.keys() - index.keys(), key=_natural)
+    unexpected = sorted((n for n in index if n not in expected and _target_param(n, model) is not None), key=_natural)
+    wrong = sorted((n for n in expected.keys() & index.keys() if index[n][1] != expected[n]), key=_natural)
+    if not (missing or unexpected or wrong):
+        return
+    counts = [f"{len(names)} {what}" for names, what in
+              ((missing, "missing"), (unexpected, "unexpected"), (wrong, "with the wrong shape")) if names]
+    lines = [f"model directory {path} does not fit its config.json ({cfg.architecture}, {cfg.num_layers} layers, "
+             f"{cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, head_dim {cfg.head_dim}): "
+             f"{', '.join(counts)}; it holds {len(index)} tensors, the config needs {len(expected)}:"]
+    lines += [f"  missing: {n} {expected[n]}" for n in missing]
+    lines += [f"  unexpected: {n} {index[n][1]} in {index[n][0]}" for n in unexpected]
+    lines += [f"  wrong shape: {n} is {index[n][1]} in {index[n][0]}, expected {expected[n]}" for n in wrong]
+    raise ValueError("\n".join(lines))
 
 
 def _target_param(ckpt_name: str, model: LlamaForCausalLM) -> tuple[str, object] | None:

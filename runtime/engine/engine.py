@@ -2,8 +2,9 @@
 
 Every rank runs an Engine; only rank 0 also runs the scheduler. ``forward_batch``
 returns at once with ``ForwardOutput(next_tokens_gpu, next_tokens_cpu,
-copy_done_event)``: the device-to-host copy of the tokens is enqueued on the
-engine stream and only the consumer waits for it (ARCHITECTURE.md, "One step").
+copy_done_event, logprobs)``: the device-to-host copy of the tokens (and of the
+logprobs of rows that ask, ``runtime.engine.logprobs``) is enqueued on the engine
+stream and only the consumer waits for it (ARCHITECTURE.md, "One step").
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from runtime.batch import Batch
 from runtime.config import RuntimeConfig
 from runtime.engine.attention import make_attention_backend
 from runtime.engine.kv_cache import DUMMY_PAGE, KVCache, compute_num_pages, page_bytes
+from runtime.engine.logprobs import LogprobPlan, LogprobsOutput, compute_logprobs, plan_logprobs
 from runtime.engine.sampler import Sampler
 from runtime.utils import concat_ranges, host_to_device
 
@@ -40,6 +42,7 @@ class ForwardOutput:
     next_tokens_gpu: torch.Tensor
     next_tokens_cpu: torch.Tensor
     copy_done_event: torch.cuda.Event | None  # None on CPU, where the copy is synchronous
+    logprobs: LogprobsOutput | None = None  # host copies, covered by the same event; None: no row asked
 
 
 def wants_cuda(device: str) -> bool:
@@ -169,10 +172,11 @@ class Engine:
     def _stream(self) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
-    def _prepare_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prepare_inputs(self, batch: Batch, plan: LogprobPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write admissions into the device pools, then gather this step's inputs from them.
 
         Everything the host contributes travels in one pinned copy; the rest is device-side indexing.
+        A logprob plan adds its indices to that copy and its prompt positions to the logits indices.
         """
         ext = batch.ext_lens
         if batch.is_decode:
@@ -183,17 +187,23 @@ class Engine:
         adm_tok_cols = concat_ranges(batch.admit_token_lens)
         adm_page_rows = np.repeat(batch.admit_rows, batch.admit_page_lens)
         adm_page_cols = concat_ranges(batch.admit_page_lens)
+        logits_idx = np.cumsum(ext) - 1
+        if plan is not None:
+            logits_idx = np.concatenate((logits_idx, plan.extra_index))
         parts = [
-            tok_rows, tok_pos, batch.sample_rows, batch.kv_lens, np.cumsum(ext) - 1,
+            tok_rows, tok_pos, batch.sample_rows, batch.kv_lens, logits_idx,
             adm_tok_rows, adm_tok_cols, batch.admit_tokens, adm_page_rows, adm_page_cols, batch.admit_pages,
+            *(plan.upload_parts() if plan is not None else ()),
         ]
         sizes = [len(p) for p in parts]
         dev = host_to_device(np.concatenate(parts).astype(np.int64), self.device).split(sizes)
-        rows, pos, sample_rows, kv_lens, last_idx, a_rows, a_cols, a_tok, p_rows, p_cols, p_ids = dev
+        rows, pos, sample_rows, kv_lens, last_idx, a_rows, a_cols, a_tok, p_rows, p_cols, p_ids = dev[:11]
         if len(a_rows):
             self.token_pool[a_rows, a_cols] = a_tok.int()
         if len(p_rows):
             self.page_table[p_rows, p_cols] = p_ids.int()
+        if plan is not None:
+            plan.bind(list(dev[11:]), self.token_pool)  # prompt targets: read after admissions are written
         page = self.page_size
         batch.input_ids = self.token_pool[rows, pos]
         batch.positions = pos
@@ -206,7 +216,8 @@ class Engine:
         with self._stream():
             use_graph = self.graph_runner is not None and self.graph_runner.can_use(batch)
             run = self.graph_runner.pad(batch) if use_graph else batch
-            sample_rows, kv_lens = self._prepare_inputs(run)
+            plan = plan_logprobs(batch, self.dummy_row)
+            sample_rows, kv_lens = self._prepare_inputs(run, plan)
             args = self.sampler.prepare(batch)
             with self.ctx.forward_batch(run):
                 if use_graph:
@@ -222,13 +233,16 @@ class Engine:
                 assert_same_on_all_ranks(next_tokens, "sampled tokens")
             # The sampled token becomes the next decode input (discarded rows write to the dummy row).
             self.token_pool[sample_rows[:n], kv_lens[:n]] = next_tokens
+            # Every rank computes them (the logits are all-gathered), so every rank runs the same kernels.
+            logprobs = compute_logprobs(plan, logits, next_tokens, n) if plan is not None else None
             if self.stream is None:
-                return ForwardOutput(next_tokens, next_tokens, None)
+                return ForwardOutput(next_tokens, next_tokens, None, logprobs)
             next_cpu = torch.empty(n, dtype=torch.int32, pin_memory=True)
             next_cpu.copy_(next_tokens, non_blocking=True)
+            host_logprobs = logprobs.to_host() if logprobs is not None else None
             event = torch.cuda.Event()
             event.record(self.stream)
-        return ForwardOutput(next_tokens, next_cpu, event)
+        return ForwardOutput(next_tokens, next_cpu, event, host_logprobs)
 
     def close(self) -> None:
         """Release the CUDA graphs and the custom all-reduce; call before destroying the process groups.

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import atexit
+import gc
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any, Union
 
 from parallel.state import get_tp
-from runtime.batch import Batch, Req
+from runtime.batch import Batch, Req, make_sample_group
 from runtime.broadcast import send_batch
 from runtime.config import RuntimeConfig, load_config
 from runtime.engine import Engine
+from runtime.frontend.results import RequestOutput, Results
 from runtime.frontend.signals import Drain
 from runtime.frontend.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
 from runtime.loop import run_until_idle
@@ -21,17 +22,29 @@ from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler
 
 Prompt = Union[str, list[int], list[dict[str, str]]]
+Item = tuple[Any, Prompt, SamplingParams]  # (caller's key, prompt, sampling parameters)
+ItemSource = Callable[[int], Union[Sequence[Item], None]]
+# A source is asked for what the scheduler could admit now (its free rows) plus this many, so
+# the next admission never waits for rows, and no data-parallel replica hoards rows another
+# replica could run. When KV pages are the limit only this many wait.
+REFILL_SLACK = 4
 
 
-@dataclass
-class RequestOutput:
-    index: int
-    text: str = ""
-    token_ids: list[int] | None = None
-    finish_reason: str | None = None  # "stop" | "length"; None with an error
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: str | None = None
+GC_YOUNG_THRESHOLD = 50_000
+
+
+def quiet_garbage_collector() -> None:
+    """Keep Python's cyclic GC off the step loop's critical path.
+
+    Finished requests accumulate small containers (token lists, logprob entries: ~7 per token with
+    logprobs on); at the default thresholds the collector rescans them so often that the host fell
+    behind the GPU (logprobs on 256 rows: 3 ms of collection per step, measured). Objects alive after
+    the model load are frozen (never scanned again) and young collections run 70x less often.
+    """
+    gc.freeze()
+    young, *older = gc.get_threshold()
+    if young < GC_YOUNG_THRESHOLD:
+        gc.set_threshold(GC_YOUNG_THRESHOLD, *older)
 
 
 class LLM:
@@ -51,13 +64,16 @@ class LLM:
             cfg.scheduler, e.num_pages, e.page_size, e.max_seq_len, e.dummy_row, cfg.cache.type, cfg.cache.debug_checks,
         )
         self.outputs = OutputProcessor(self.eos_ids, e.dummy_row)
-        self._next_uid = 0
+        # Request ids (and so the noise of unseeded sampling) differ between data-parallel replicas.
+        self._next_uid = get_tp().dp_rank << 40
         self.last_stats: dict[str, float] = {}
         self.drain: Drain | None = None  # set by the launcher to drain on SIGTERM/SIGUSR1
         self.interrupted = False
         self._closed = False
+        self._page_waits = 0  # the scheduler's page-wait count at the last refill
         if get_tp().size > 1:
-            atexit.register(self.shutdown)  # workers wait for rank 0's STOP: never leave them hanging
+            atexit.register(self.shutdown)
+        quiet_garbage_collector()  # workers wait for rank 0's STOP: never leave them hanging
 
     # ---- prompts ----------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -132,35 +148,42 @@ class LLM:
         return self.run([(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))])
 
     def run(
-        self, items: Sequence[tuple[Any, Prompt, SamplingParams]], on_result=None, on_batch=None  # noqa: ANN001
+        self, items: Sequence[Item] | ItemSource, on_result=None, on_batch=None  # noqa: ANN001
     ) -> list[RequestOutput]:
-        """Serve (key, prompt, params) items; ``on_result(key, output)`` fires as each one completes."""
-        outputs: dict[int, RequestOutput] = {}
-        keys: dict[int, Any] = {}
-        for position, (key, prompt, params) in enumerate(items):
-            keys[position] = key
-            try:
-                req = self.make_request(prompt, params)
-                req.index = position
-                self.scheduler.add(req)
-            except Exception as exc:  # noqa: BLE001 - any failure of one request (a chat template's own
-                # TemplateError, a tokenizer error) is that request's error, never the whole run's
-                message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-                outputs[position] = RequestOutput(index=position, error=message)
-                if on_result is not None:
-                    on_result(key, outputs[position])
+        """Serve (key, prompt, params) items; ``on_result(key, output)`` fires as each one completes.
 
-        def finish(req: Req) -> None:
-            text = req.text
-            if text is None:
-                text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True) if self.tokenizer else ""
-            out = RequestOutput(
-                index=req.index, text=text, token_ids=list(req.output_ids), finish_reason=req.finish_reason,
-                prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids),
-            )
-            outputs[out.index] = out
-            if on_result is not None:
-                on_result(keys[out.index], out)
+        ``items`` is a list (all queued at once) or a source the loop pulls from while it runs:
+        ``source(n)`` returns up to ``n`` more items ([] when it has none right now, None when it
+        never will). Jobs use a source so that data-parallel replicas take rows as they have room.
+        """
+        results = Results(self._decode, on_result)
+
+        def submit(new_items: Sequence[Item]) -> None:
+            for key, prompt, params in new_items:
+                position = results.new_position(key)
+                try:
+                    self._queue(self.make_request(prompt, params), position)
+                except Exception as exc:  # noqa: BLE001 - any failure of one request (a chat template's own
+                    # TemplateError, a tokenizer error) is that request's error, never the whole run's
+                    results.fail(position, str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}")
+
+        source = items if callable(items) else None
+        if source is None:
+            submit(items)
+
+        def refill() -> bool:
+            nonlocal source
+            if source is None:
+                return False
+            if self.drain is not None and self.drain.requested:
+                source(0)  # lets the source pass the drain on (to other replicas); take nothing new
+                return False
+            new = source(self._room())
+            if new is None:
+                source = None
+                return False
+            submit(new)
+            return True
 
         publish = on_batch
         if get_tp().size > 1:  # the other ranks run every step rank 0 schedules
@@ -170,17 +193,46 @@ class LLM:
                 if on_batch is not None:
                     on_batch(batch)
 
-        start = time.perf_counter()
+        stats = self.scheduler.stats
+        start, prefilled, cached = time.perf_counter(), stats.prefill_tokens, stats.cached_tokens
         completed = run_until_idle(
-            self.scheduler, self.engine, self.outputs, self.cfg.scheduler.overlap, finish, publish, self.drain,
-            self.cfg.job.drain_timeout_s,
+            self.scheduler, self.engine, self.outputs, self.cfg.scheduler.overlap, results.finished, publish,
+            self.drain, self.cfg.job.drain_timeout_s, refill,
         )
         self.interrupted = not completed
         elapsed = time.perf_counter() - start
-        done = [outputs.get(i) or RequestOutput(index=i, error="interrupted before it finished") for i in keys]
-        generated = sum(o.completion_tokens for o in done)
-        self.last_stats = {"seconds": elapsed, "output_tokens": generated, "tokens_per_s": generated / max(elapsed, 1e-9)}
+        done = results.in_order()
+        generated = sum(o.total_completion_tokens for o in done)
+        self.last_stats = {
+            "seconds": elapsed, "output_tokens": generated, "tokens_per_s": generated / max(elapsed, 1e-9),
+            # prompt tokens computed, and those served from the radix cache (n samples share one prefill)
+            "prefill_tokens": stats.prefill_tokens - prefilled, "cached_tokens": stats.cached_tokens - cached,
+        }
         return done
+
+    def _queue(self, req: Req, position: int) -> None:
+        """Queue ``req`` as input ``position``, with its n - 1 sibling samples right behind it."""
+        req.index = position
+        self.scheduler.add(req)  # raises for this request alone when it can never be served
+        siblings = make_sample_group(req, [self._next_uid + i for i in range(req.sampling.n - 1)])[1:]
+        self._next_uid += len(siblings)
+        for sibling in siblings:
+            self.scheduler.add(sibling)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
+
+    def _room(self) -> int:
+        """How many more requests the scheduler wants now: its free rows (none while pages are short) + a slack."""
+        sched = self.scheduler
+        pages_short, self._page_waits = sched.stats.page_waits > self._page_waits, sched.stats.page_waits
+        free_rows = 0 if pages_short else len(sched.free_rows)
+        return max(0, free_rows + REFILL_SLACK - len(sched.waiting))
+
+    def keep_workers_waiting(self) -> None:
+        """TP: tell the worker ranks that nothing runs yet, so their wait for a batch does not time out."""
+        if get_tp().size > 1 and not self._closed:
+            send_batch(None)
 
     def shutdown(self) -> None:
         """Release the worker ranks (TP: they leave their loop) and this engine's CUDA graphs. Idempotent.

@@ -1,9 +1,10 @@
 """Graceful drain on SIGTERM / SIGUSR1 (Slurm preemption and time limits).
 
-Rank 0 stops admitting requests, finishes what is in flight for a bounded
-time, flushes its outputs and exits with ``EXIT_PREEMPTED`` so a Slurm script
-can requeue the job; the rerun skips the rows already written. Worker ranks
-ignore the signals: they follow rank 0 until it tells them to stop.
+Each replica's leader stops admitting requests, finishes what is in flight for a
+bounded time, flushes its outputs and exits with ``EXIT_PREEMPTED`` so a Slurm
+script can requeue the job; the rerun skips the rows already written. A leader
+passes the request on to the other replicas (``runtime.frontend.replicas``). Worker
+ranks ignore the signals: they follow their leader until it tells them to stop.
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ class Drain:
     def requested(self) -> bool:
         return self.signum is not None
 
-    def request(self, signum: int, frame: object = None) -> None:
-        if signum == signal.SIGINT:
+    def request(self, signum: int, frame: object = None, source: str = "") -> None:
+        """A signal handler; ``source`` names where the request came from when it was passed on."""
+        if signum == signal.SIGINT and not source:
             signal.signal(signal.SIGINT, signal.default_int_handler)
         if self.signum is None:
             self.signum, self.since = signum, time.monotonic()
-            log.warning("%s received: draining (no new requests, in-flight ones finish)", signal.Signals(signum).name)
+            log.warning("%s received%s: draining (no new requests, in-flight ones finish)",
+                        signal.Signals(signum).name, f" by {source}" if source else "")
 
     def expired(self, timeout_s: float) -> bool:
         return self.requested and time.monotonic() - self.since > timeout_s

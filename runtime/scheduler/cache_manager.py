@@ -14,6 +14,7 @@ class CacheManager:
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
         self.cache: PrefixCache = RadixCache(self.allocator, page_size) if cache_type == "radix" else NaivePrefixCache()
+        self.shares_prefixes = cache_type == "radix"  # an admission can find another request's prompt KV
 
     def pages_for(self, req: Req) -> int:
         # KV is written for every token but the last sampled one.
@@ -22,8 +23,9 @@ class CacheManager:
     def admit(self, req: Req) -> bool:
         """Give ``req`` pages for its whole reservation, reusing a cached prefix; False if they are not there."""
         need = self.pages_for(req)
-        # Always compute at least the last prompt token: its logits give the first new token.
-        matched, node = self.cache.match(req.prompt_ids[:-1])
+        # Always compute at least the last prompt token: its logits give the first new token. Prompt
+        # logprobs need the logits at every prompt position, so such a request computes its whole prompt.
+        matched, node = self.cache.match([] if req.wants_prompt_logprobs else req.prompt_ids[:-1])
         self.cache.lock(node)  # before evicting, so the match itself survives
         short = need - len(matched) - self.allocator.num_free
         if short > self.cache.evictable_pages:  # cannot fit even after eviction: keep the cache as it is
@@ -39,6 +41,7 @@ class CacheManager:
     def cache_prompt(self, req: Req) -> None:
         """The prompt's KV is written once its last chunk is launched: later requests may share it now."""
         self._give_to_cache(req, req.prompt_ids)
+        req.prompt_cached = True
 
     def release(self, req: Req) -> None:
         """A finished (or aborted) request's KV goes to the prefix cache, its private pages back to the pool.
@@ -49,6 +52,7 @@ class CacheManager:
         # KV is complete for every token but the last sampled one (or up to the launched prefill).
         valid = min(req.cached_len, req.prompt_len + max(len(req.output_ids) - 1, 0))
         self._give_to_cache(req, (req.prompt_ids + req.output_ids)[:valid])
+        req.prompt_cached = req.prompt_cached or valid >= req.prompt_len
         self.allocator.free(req.own_pages)
         self.cache.unlock(req.cache_node)
         req.pages, req.own_pages, req.cache_node = [], [], None

@@ -6,6 +6,11 @@ allow), otherwise decode every running request. A request is admitted only
 when pages for its whole reservation (prompt + max_new_tokens) are free, so
 the cache is never over-committed and nothing is ever preempted. Page ownership
 is the cache manager's; finishing is the output processor's (``runtime.output``).
+
+Samples of one prompt (``SamplingParams.n``): with the radix cache, siblings are
+passed over until sample 0's prompt KV is in the cache, then admitted with that
+prefix matched, so the prompt is computed once (``stats.prefill_tokens`` counts
+what is computed, ``stats.cached_tokens`` what the cache served).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class Scheduler:
         self.prefilling: list[Req] = []
         self.running: list[Req] = []
         self.stats = SchedulerStats()
+        self.logprob_reqs = 0  # admitted requests that ask for logprobs: while 0, batches carry no logprob rows
         self.draining = False  # set on SIGTERM/SIGUSR1: admit nothing new
 
     @property
@@ -65,7 +71,20 @@ class Scheduler:
                 f"request needs {need} KV pages for {req.prompt_len} prompt + {req.max_new_tokens} new tokens,"
                 f" but the whole cache has {self.allocator.num_pages - 1}"
             )
+        if req.leader is not None and not self._leader_known(req.leader):
+            req.leader = None  # sample 0 was never queued (it failed): this sample computes its own prompt
         self.waiting.append(req)
+
+    def _leader_known(self, leader: Req) -> bool:
+        """Queued, admitted or done: something will hand its prompt to the cache or finish it."""
+        if leader.table_idx >= 0 or leader.prompt_cached or leader.finish_reason is not None:
+            return True
+        return any(r is leader for r in reversed(self.waiting))  # it was queued just before: found at once
+
+    def _waits_for_leader(self, req: Req) -> bool:
+        lead = req.leader
+        return (lead is not None and self.pages.shares_prefixes and not lead.prompt_cached
+                and lead.finish_reason is None)
 
     @property
     def idle(self) -> bool:
@@ -89,6 +108,7 @@ class Scheduler:
             return False
         req.table_idx = self.free_rows.pop()
         self.stats.cached_tokens += req.cached_len
+        self.logprob_reqs += req.wants_logprobs
         return True
 
     def _schedule_prefill(self) -> Batch | None:
@@ -102,18 +122,7 @@ class Scheduler:
                 continue
             chunks.append((req, n))
             budget -= n
-        admitted: list[Req] = []
-        while self.waiting and budget > 0 and self.free_rows and not self.draining:
-            req = self.waiting[0]
-            if not self._admit(req):
-                self.stats.page_waits += 1
-                break
-            self.waiting.popleft()
-            self.prefilling.append(req)
-            admitted.append(req)
-            n = min(req.prompt_len - req.cached_len, budget)
-            chunks.append((req, n))
-            budget -= n
+        admitted = self._admit_waiting(budget, chunks)
         if not chunks:
             return None
         reqs = [r for r, _ in chunks]
@@ -132,6 +141,28 @@ class Scheduler:
         self.stats.prefill_tokens += int(ext.sum())
         return batch
 
+    def _admit_waiting(self, budget: int, chunks: list[tuple[Req, int]]) -> list[Req]:
+        """Admit waiting requests in arrival order while budget, rows and pages allow; a sibling whose
+        sample 0 has not cached its prompt yet is passed over (it keeps its place in the queue)."""
+        admitted: list[Req] = []
+        passed: list[Req] = []
+        while self.waiting and budget > 0 and self.free_rows and not self.draining:
+            req = self.waiting[0]
+            if self._waits_for_leader(req):
+                passed.append(self.waiting.popleft())
+                continue
+            if not self._admit(req):
+                self.stats.page_waits += 1
+                break
+            self.waiting.popleft()
+            self.prefilling.append(req)
+            admitted.append(req)
+            n = min(req.prompt_len - req.cached_len, budget)
+            chunks.append((req, n))
+            budget -= n
+        self.waiting.extendleft(reversed(passed))
+        return admitted
+
     def _schedule_decode(self) -> Batch | None:
         reqs = [r for r in self.running if r.wants_decode]
         if not reqs:
@@ -147,12 +178,19 @@ class Scheduler:
         sample_rows: np.ndarray,
     ) -> Batch:
         temp, top_k, top_p, seeds, seeded = zip(*(r.sampling_row for r in reqs))
-        return Batch(
+        batch = Batch(
             phase=phase, rows=rows, starts=starts, ext_lens=ext, sample_rows=sample_rows.astype(np.int32),
             temperature=np.array(temp, np.float32), top_k=np.array(top_k, np.int32),
             top_p=np.array(top_p, np.float32), seeds=np.array(seeds, np.int64), seeded=np.array(seeded, bool),
             reqs=reqs,
         )
+        if self.logprob_reqs:  # otherwise no row can ask: no per-row work at all
+            ks = np.array([r.logprob_ks for r in reqs], np.int32)
+            if (ks[:, 0] >= 0).any():
+                batch.logprobs = ks[:, 0].copy()
+            if phase == "prefill" and (ks[:, 1] >= 0).any():
+                batch.prompt_logprobs = ks[:, 1].copy()
+        return batch
 
     # ---- finishing --------------------------------------------------------------------------------------
     def finish(self, req: Req) -> None:
@@ -175,6 +213,7 @@ class Scheduler:
 
     def _release(self, req: Req) -> None:
         self.pages.release(req)
+        self.logprob_reqs -= req.wants_logprobs
         self.free_rows.append(req.table_idx)
         req.table_idx = -1
 

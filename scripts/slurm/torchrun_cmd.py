@@ -1,10 +1,13 @@
 """Build the torchrun command for the current Slurm allocation; print it or exec it.
 
-    python scripts/slurm/torchrun_cmd.py [--dry-run] [--nproc-per-node N] [--rdzv-port 29500] -- launch.py ...
+    python scripts/slurm/torchrun_cmd.py [--dry-run] [--nproc-per-node N] [--tp-size T] [--rdzv-port 29500] \
+        -- launch.py ...
 
 Started once per node (srun --ntasks-per-node=1): every node's torchrun meets the others
 through the c10d rendezvous on the first host of the node list, and torchrun starts one
-rank per GPU. Bad or missing Slurm variables exit with code 2 and name the variable.
+rank per GPU. ``--tp-size T`` splits the world (nodes x ranks per node) into data-parallel
+replicas of T ranks each (``parallel.tp_size``). Bad or missing Slurm variables, and a T
+that does not divide the world, exit with code 2 and name what is wrong.
 """
 
 from __future__ import annotations
@@ -120,8 +123,18 @@ def _require(env: Mapping[str, str], *names: str) -> tuple[str, str]:
     return found
 
 
+def describe_layout(nnodes: int, nproc: int, tp_size: int) -> str:
+    """DP x TP in words; raises SlurmEnvError when ``tp_size`` does not divide the world."""
+    world = nnodes * nproc
+    if world % tp_size:
+        raise SlurmEnvError(f"--tp-size {tp_size} does not divide the world of {nnodes} nodes x {nproc} ranks = {world}")
+    where = ("each TP group inside one node" if nproc % tp_size == 0
+             else "WARNING: TP groups span nodes, every all-reduce crosses the network")
+    return f"{nnodes} nodes x {nproc} ranks = {world} ranks: DP {world // tp_size} x TP {tp_size} ({where})"
+
+
 def build_command(env: Mapping[str, str], nproc: int | None, port: int, passthrough: list[str], *,
-                  hostnames: Callable[[str], list[str]] = resolve_hostnames) -> list[str]:
+                  hostnames: Callable[[str], list[str]] = resolve_hostnames, tp_size: int | None = None) -> list[str]:
     """The torchrun argv for this allocation; raises SlurmEnvError naming the bad variable."""
     nnodes = _positive_int(*_require(env, "SLURM_JOB_NUM_NODES", "SLURM_NNODES"))
     list_var, nodelist = _require(env, "SLURM_JOB_NODELIST", "SLURM_NODELIST")
@@ -136,6 +149,9 @@ def build_command(env: Mapping[str, str], nproc: int | None, port: int, passthro
     if nproc is None:
         found = _first(env, "SLURM_GPUS_ON_NODE", "SLURM_NTASKS_PER_NODE")
         nproc = _positive_int(*found) if found else 1
+    if tp_size is not None:
+        print(f"torchrun_cmd: {describe_layout(nnodes, nproc, tp_size)}", file=sys.stderr)
+        passthrough = [*passthrough, f"parallel.tp_size={tp_size}"]
     return [
         "torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
         # c10d: the first host runs the rendezvous store itself, so no etcd or fixed MASTER_ADDR is needed.
@@ -162,11 +178,13 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     argv = sys.argv[1:] if argv is None else argv
     env = os.environ if environ is None else environ
     parser = argparse.ArgumentParser(
-        prog="torchrun_cmd.py", usage="%(prog)s [--dry-run] [--nproc-per-node N] [--rdzv-port PORT] -- launch.py ...",
+        prog="torchrun_cmd.py", usage="%(prog)s [--dry-run] [--nproc-per-node N] [--tp-size T] [--rdzv-port PORT] -- launch.py ...",
         description="Build the torchrun command for this Slurm allocation and exec it (or print it).")
     parser.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     parser.add_argument("--nproc-per-node", type=_nproc, default=None,
                         help="ranks per node (default: SLURM_GPUS_ON_NODE, else SLURM_NTASKS_PER_NODE, else 1)")
+    parser.add_argument("--tp-size", type=_nproc, default=None,
+                        help="ranks per tensor-parallel group; the world is split into DP = world / T replicas")
     parser.add_argument("--rdzv-port", type=_port, default=DEFAULT_PORT, help=f"rendezvous port (default {DEFAULT_PORT})")
     # Split at the first `--` ourselves: argparse would otherwise try to read launch.py's own options.
     if "--" not in argv:
@@ -176,7 +194,7 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     if not passthrough:
         parser.error("nothing to run after `--`")
     try:
-        cmd = build_command(env, args.nproc_per_node, args.rdzv_port, passthrough)
+        cmd = build_command(env, args.nproc_per_node, args.rdzv_port, passthrough, tp_size=args.tp_size)
     except SlurmEnvError as exc:
         print(f"torchrun_cmd: error: {exc}", file=sys.stderr)
         return 2

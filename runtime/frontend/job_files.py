@@ -1,0 +1,232 @@
+"""The files of a job: input rows parsed and validated, output rows read back and appended.
+
+Also the part files of data-parallel replicas other than the first: ``<output>.part-<r>``
+(and ``<errors>.part-<r>``), merged into the real files at the end of a run, or at the start
+of the next one if a run was killed first.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runtime.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class JobRow:
+    line: int
+    id: Any
+    prompt: Any = None
+    sampling: SamplingParams | None = None
+    error: str | None = None
+
+    @property
+    def key(self) -> str:
+        """Identity across reruns: the id for good rows, the line for rows that fail to parse."""
+        return f"line:{self.line}" if self.error is not None else json.dumps(self.id)
+
+
+@dataclass
+class JobPaths:
+    input: Path
+    output: Path
+    errors: Path
+    metrics: Path
+    config: Path
+
+    @classmethod
+    def from_config(cls, job: Any) -> JobPaths:
+        out = Path(job.output)
+        return cls(
+            input=Path(job.input), output=out,
+            errors=Path(job.errors) if job.errors else out.with_suffix(".errors.jsonl"),
+            metrics=Path(job.metrics) if job.metrics else out.with_suffix(".metrics.json"),
+            config=out.with_suffix(".config.yaml"),
+        )
+
+
+def read_rows(path: Path, defaults: SamplingParams, chat_template: bool) -> Iterator[JobRow]:
+    seen: set[str] = set()
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield JobRow(line_no, None, error=f"{path}:{line_no} is not valid UTF-8 "
+                                                  f"(byte 0x{raw[exc.start]:02x} at column {exc.start + 1})")
+                continue
+            if not line.strip():
+                continue
+            yield _parse_row(line, line_no, defaults, chat_template, seen)
+
+
+def normalize_id(value: Any) -> str | int | None:
+    """A row id as a string or an integer; None when it is neither (booleans, fractions, objects)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value if isinstance(value, (str, int)) else None
+
+
+def _parse_row(line: str, line_no: int, defaults: SamplingParams, chat_template: bool, seen: set[str]) -> JobRow:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return JobRow(line_no, None, error=f"line {line_no} is not valid JSON: {exc.msg} at column {exc.colno}")
+    if not isinstance(row, dict):
+        return JobRow(line_no, None, error=f"line {line_no} must be a JSON object")
+    row_id = normalize_id(row.get("id"))
+    if row_id is None:
+        return JobRow(line_no, None, error=f"line {line_no} has no usable 'id' (a string or an integer): {row.get('id')!r}")
+    key = json.dumps(row_id)
+    if key in seen:
+        return JobRow(line_no, row_id, error=f"line {line_no}: duplicate id {row_id!r}")
+    seen.add(key)
+    if ("prompt" in row) == ("messages" in row):
+        return JobRow(line_no, row_id, error=f"line {line_no}: a row needs exactly one of 'prompt' or 'messages'")
+    prompt = row.get("prompt", row.get("messages"))
+    if isinstance(prompt, str) and not prompt.strip():
+        return JobRow(line_no, row_id, error=f"line {line_no}: the prompt is empty")
+    if isinstance(prompt, str) and chat_template and "prompt" in row:
+        prompt = [{"role": "user", "content": prompt}]
+    sampling = row.get("sampling")
+    sampling = {} if sampling is None else sampling  # null means the defaults
+    if not isinstance(sampling, dict):
+        return JobRow(line_no, row_id, error=f"line {line_no}: 'sampling' must be an object, not {sampling!r}")
+    try:
+        sampling = SamplingParams.from_dict(sampling, base=defaults)
+    except (TypeError, ValueError) as exc:
+        return JobRow(line_no, row_id, error=f"line {line_no}: {exc}")
+    return JobRow(line_no, row_id, prompt=prompt, sampling=sampling)
+
+
+def whole_lines(path: Path, repair: bool = False) -> list[bytes]:
+    """The complete lines of ``path`` (none if it is missing); a torn last line from a killed writer is
+    left out, and with ``repair`` cut off the file."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    whole = data[: data.rfind(b"\n") + 1]
+    if repair and len(whole) != len(data):
+        with open(path, "r+b") as f:
+            f.truncate(len(whole))
+    return whole.split(b"\n")[:-1]
+
+
+def row_key(line: bytes) -> str | None:
+    """The id (as a JSON key) of a result line, or None when the line is not a result row."""
+    try:
+        return json.dumps(normalize_id(json.loads(line)["id"]))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def done_ids(path: Path, repair: bool = True) -> set[str]:
+    """Ids (as JSON keys) of the rows a previous run wrote. A torn last line (killed mid-write) is cut
+    off (``repair``); a complete line that is not a row (blank, zero-filled after a crash) is skipped
+    with a warning."""
+    keys = set()
+    for line_no, line in enumerate(whole_lines(path, repair), 1):
+        key = row_key(line)
+        if key is not None:
+            keys.add(key)
+        elif line.strip(b" \t\r\x00"):
+            log.warning("%s:%d is not a result row; ignored (that id, if any, is served again)", path, line_no)
+    return keys
+
+
+def part_path(path: Path, replica: int) -> Path:
+    """Where replica ``replica`` writes what belongs in ``path`` (replica 0 writes ``path`` itself)."""
+    return path if replica == 0 else path.with_name(f"{path.name}.part-{replica}")
+
+
+def part_files(path: Path) -> list[Path]:
+    return sorted(path.parent.glob(glob.escape(path.name) + ".part-*"))
+
+
+def merge_parts(path: Path, results: bool = True) -> int:
+    """Append every ``<path>.part-*`` to ``path``, then delete the parts; returns the lines added.
+
+    ``results``: skip lines that are not result rows and ids ``path`` already holds, so a merge
+    interrupted between its append and its deletes adds nothing twice when it runs again.
+    """
+    parts = part_files(path)
+    if not parts:
+        return 0
+    seen = done_ids(path) if results else set()
+    added = 0
+    with open(path, "ab") as out:
+        for part in parts:
+            for line in whole_lines(part):
+                if results:
+                    key = row_key(line)
+                    if key is None or key in seen:
+                        continue
+                    seen.add(key)
+                out.write(line + b"\n")
+                added += 1
+        out.flush()
+        os.fsync(out.fileno())
+    for part in parts:
+        part.unlink()
+    return added
+
+
+class JsonlAppender:
+    """Appends whole lines; flushes each, fsyncs at a cadence and on close."""
+
+    def __init__(self, path: Path, fsync_every_s: float, mode: str = "a") -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, mode, encoding="utf-8")
+        self.fsync_every_s = fsync_every_s
+        self.last_sync = time.monotonic()
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.file.write(json.dumps(row, ensure_ascii=False) + "\n")
+        self.file.flush()
+        if time.monotonic() - self.last_sync >= self.fsync_every_s:
+            os.fsync(self.file.fileno())
+            self.last_sync = time.monotonic()
+
+    def close(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+
+
+def result_row(row_id: Any, output: Any) -> dict[str, Any]:
+    """The output line of a finished row. Keys beyond today's appear only when the row asked for them:
+    ``logprobs``/``cumulative_logprob`` (sampling.logprobs), ``prompt_logprobs``, and ``choices`` (n > 1)."""
+    row: dict[str, Any] = {"id": row_id}
+    if len(output.outputs) > 1:
+        row["choices"] = [_choice(s, with_index=True) for s in output.outputs]
+        row["prompt_tokens"] = output.prompt_tokens
+        row["completion_tokens"] = output.total_completion_tokens
+    else:
+        row.update(_choice(output.outputs[0] if output.outputs else output, with_index=False))
+        row["prompt_tokens"] = output.prompt_tokens
+        row["completion_tokens"] = row.pop("completion_tokens")  # today's key order
+    if output.prompt_logprobs is not None:
+        row["prompt_logprobs"] = output.prompt_logprobs
+    return row
+
+
+def _choice(sample: Any, with_index: bool) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": sample.sample_index} if with_index else {}
+    choice.update(text=sample.text, finish_reason=sample.finish_reason, completion_tokens=sample.completion_tokens)
+    if sample.logprobs is not None:
+        choice.update(logprobs=sample.logprobs, cumulative_logprob=sample.cumulative_logprob)
+    return choice
+
+

@@ -1,0 +1,104 @@
+"""How the data-parallel replicas of one job share it, through the torchrun store.
+
+Each replica (a TP group; its leader runs a scheduler) claims rows from one shared
+counter a few at a time, as its scheduler has room, so a replica that finishes early
+simply claims more. Replicas never meet in a collective: a replica waiting for the
+others (a barrier) could wait longer than any collective timeout. The store is a
+key-value server every rank reaches, with atomic ``add``; keys carry the torchrun
+restart count, so a restarted job never reads its previous attempt's counters.
+
+With one replica everything stays in this process and no store is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from parallel.state import get_store, get_tp
+from runtime.frontend.signals import Drain
+
+BARRIER_GRACE_S = 10.0  # after a drain's timeout, how long a barrier still waits for the other replicas
+DRAIN_POLL_S = 0.5  # how often a replica looks for another replica's drain request
+_jobs_started = 0  # every leader runs the same jobs in the same order: the n-th job's keys are shared
+
+
+class Replicas:
+    def __init__(self, keepalive: Callable[[], None] = lambda: None, drain: Drain | None = None,
+                 drain_timeout_s: float = 0.0) -> None:
+        global _jobs_started
+        _jobs_started += 1
+        info = get_tp()
+        self.index, self.count = info.dp_rank, info.dp_size
+        self.store = get_store() if self.count > 1 else None
+        self.prefix = f"tpinfer/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/job{_jobs_started}"
+        self.keepalive = keepalive  # called while waiting (TP workers must not time out in their receive)
+        self.drain, self.drain_timeout_s = drain, drain_timeout_s
+        self._claimed = 0  # one replica: the local counter
+        self._drain_published = False
+        self._last_poll = 0.0
+
+    @property
+    def first(self) -> bool:
+        """Replica 0: it repairs and merges the shared files and writes the metrics."""
+        return self.index == 0
+
+    def claim(self, count: int, total: int) -> range:
+        """The next ``count`` positions of the job's todo list (fewer at the end, empty when it is done)."""
+        if count <= 0:
+            return range(0)
+        if self.store is None:
+            start, self._claimed = self._claimed, self._claimed + count
+            return range(min(start, total), min(start + count, total))
+        # Guided self-scheduling: take at most a share of what is left, so the last rows are dealt
+        # out one or two at a time and no replica sits on rows another could be running.
+        count = min(count, max(1, (total - self._claimed) // (4 * self.count)))
+        end = self.store.add(f"{self.prefix}/next", count)
+        self._claimed = end  # everyone's claims so far, as of now
+        return range(min(end - count, total), min(end, total))
+
+    def share_drain(self) -> None:
+        """Pass a drain request on: this replica's signal to the others, theirs to this one."""
+        drain = self.drain
+        if self.store is None or drain is None:
+            return
+        key = f"{self.prefix}/drain"
+        if drain.requested:
+            if not self._drain_published:
+                self.store.set(key, str(drain.signum))
+                self._drain_published = True
+            return
+        now = time.monotonic()
+        if now - self._last_poll >= DRAIN_POLL_S:
+            self._last_poll = now
+            if self.store.check([key]):
+                self._drain_published = True  # it came from there
+                drain.request(int(self.store.get(key)), source="another replica")
+
+    def barrier(self, name: str) -> None:
+        """Wait until every replica got here (no timeout: replicas finish their share at different times)."""
+        if self.store is None:
+            return
+        key = f"{self.prefix}/{name}"
+        self.store.add(key, 1)
+        delay, last_keepalive = 0.001, time.monotonic()
+        while self.store.add(key, 0) < self.count:
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+            if time.monotonic() - last_keepalive > 5.0:
+                self.keepalive()
+                last_keepalive = time.monotonic()
+            if self.drain is not None and self.drain.expired(self.drain_timeout_s + BARRIER_GRACE_S):
+                # A replica that is still alive drains within its timeout; one that never comes is dead.
+                raise RuntimeError(f"not every replica reached '{name}' after the drain; finished rows are on disk")
+
+    def gather(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every replica's ``mine``, in replica order (all replicas call it; a barrier included)."""
+        if self.store is None:
+            return [mine]
+        self.store.set(f"{self.prefix}/report/{self.index}", json.dumps(mine))
+        self.barrier("reported")
+        return [json.loads(self.store.get(f"{self.prefix}/report/{r}")) for r in range(self.count)]

@@ -1,0 +1,80 @@
+"""What the API returns per prompt, and how finished requests become it (n samples per prompt included)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.batch import Req, TokenLogprob
+from runtime.output import SampleOutput
+
+
+@dataclass
+class RequestOutput:
+    """One prompt's result. The flat fields are sample 0's (what n = 1 always returned); ``outputs``
+    holds every sample (``SamplingParams.n``) in sample order, sample 0 first."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] | None = None
+    finish_reason: str | None = None  # "stop" | "length"; None with an error
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+    # {"token_id", "logprob", "top": [[token_id, logprob], ...]} per generated token (sampling.logprobs set).
+    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None  # the sum of the generated tokens' logprobs (same condition)
+    # None for the first prompt token, then one entry per prompt token (sampling.prompt_logprobs set).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    outputs: list[SampleOutput] = field(default_factory=list)
+
+    @property
+    def total_completion_tokens(self) -> int:
+        return sum(s.completion_tokens for s in self.outputs)
+
+
+class Results:
+    """Collects the results of one ``LLM.run``: keyed by input position, a prompt complete once all its
+    samples are; ``on_result(key, output)`` fires as each prompt completes."""
+
+    def __init__(self, decode: Callable[[list[int]], str], on_result: Callable[[Any, RequestOutput], None] | None):
+        self.decode = decode
+        self.on_result = on_result
+        self.keys: list[Any] = []
+        self.done: dict[int, RequestOutput] = {}
+        self._samples: dict[int, list[SampleOutput]] = {}
+
+    def new_position(self, key: Any) -> int:
+        self.keys.append(key)
+        return len(self.keys) - 1
+
+    def fail(self, position: int, message: str) -> None:
+        self._complete(RequestOutput(index=position, error=message))
+
+    def finished(self, req: Req) -> None:
+        text = req.text if req.text is not None else self.decode(req.output_ids)
+        samples = self._samples.setdefault(req.index, [])
+        samples.append(SampleOutput.from_req(req, text))
+        if len(samples) < req.sampling.n:
+            return
+        del self._samples[req.index]
+        samples.sort(key=lambda s: s.sample_index)
+        first = samples[0]
+        prompt_owner = req.leader or req  # the prompt's logprobs were computed by sample 0
+        self._complete(RequestOutput(
+            index=req.index, text=first.text, token_ids=first.token_ids, finish_reason=first.finish_reason,
+            prompt_tokens=req.prompt_len, completion_tokens=first.completion_tokens, logprobs=first.logprobs,
+            cumulative_logprob=first.cumulative_logprob, prompt_logprobs=prompt_owner.prompt_logprobs,
+            outputs=samples,
+        ))
+
+    def _complete(self, out: RequestOutput) -> None:
+        self.done[out.index] = out
+        if self.on_result is not None:
+            self.on_result(self.keys[out.index], out)
+
+    def in_order(self) -> list[RequestOutput]:
+        """Every position's output; one cut short by a drain is an error saying so."""
+        return [self.done.get(i) or RequestOutput(index=i, error="interrupted before it finished")
+                for i in range(len(self.keys))]

@@ -1,0 +1,200 @@
+"""Data parallelism on CPU (gloo): DP replicas x TP groups under one torchrun, one job, one output."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from parallel.distributed import TorchrunEnv, layout
+from runtime.frontend.job_files import merge_parts, part_path
+from tests.conftest import make_tiny_llama
+
+REPO = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+ROWS = 36
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A tiny random Llama (4 heads: TP=2 divides them) with the default model's tokenizer, so rows are text."""
+    path = make_tiny_llama(tmp_path_factory.mktemp("dp_model"), vocab=49152, heads=4, kv_heads=2, layers=2, seed=3)
+    for f in default_model_dir.iterdir():
+        if f.name.startswith("tokenizer"):
+            shutil.copy(f, path / f.name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Skewed on purpose: a few rows generate ten times more than the rest."""
+    path = tmp_path_factory.mktemp("dp_rows") / "rows.jsonl"
+    path.write_text("".join(json.dumps({
+        "id": i, "prompt": f"Row {i}: say something about the number {i * 7}.",
+        "sampling": {"max_new_tokens": 300 if i % 12 == 5 else 8 + (i * 13) % 30, "ignore_eos": True},
+    }) + "\n" for i in range(ROWS)))
+    return path
+
+
+def _job(model_dir: Path, rows: Path, out: Path, nproc: int, tp_size: int, *extra: str) -> list[str]:
+    launcher = [sys.executable] if nproc == 1 else [*TORCHRUN, "--nproc-per-node", str(nproc)]
+    return [*launcher, "launch.py", f"model.path={model_dir}", "engine.device=cpu", "model.max_seq_len=512",
+            f"job.input={rows}", f"job.output={out}", "job.progress=false", "job.chat_template=false",
+            "scheduler.max_running_requests=8", f"parallel.tp_size={tp_size}", *extra]
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _texts(out: Path) -> dict[int, str]:
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    texts = {r["id"]: r["text"] for r in rows}
+    assert len(texts) == len(rows), "an id was written twice"
+    return texts
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path, rows: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
+    out = tmp_path_factory.mktemp("dp_ref") / "one.jsonl"
+    _run(_job(model_dir, rows, out, 1, 0))
+    texts = _texts(out)
+    assert len(texts) == ROWS and all(texts.values())
+    return texts
+
+
+def test_layout_puts_each_tp_group_on_contiguous_ranks():
+    places = [layout(TorchrunEnv(rank=r, world_size=8, local_rank=r % 4), tp_size=2) for r in range(8)]
+    assert [(p.dp_rank, p.rank) for p in places] == [(r // 2, r % 2) for r in range(8)]
+    assert {p.dp_size for p in places} == {4} and [p.global_rank for p in places] == list(range(8))
+    whole = layout(TorchrunEnv(rank=3, world_size=4, local_rank=3), tp_size=0)
+    assert (whole.size, whole.rank, whole.dp_size) == (4, 3, 1)  # 0: today's behaviour, TP over everything
+    with pytest.raises(ValueError, match=r"parallel.tp_size=3 does not divide the world size 8"):
+        layout(TorchrunEnv(rank=0, world_size=8, local_rank=0), tp_size=3)
+
+
+def test_merging_parts_adds_every_id_once(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": 1, "text": "a"}\n{"id": 2, "text": "b"}\n{"id": 3, "te')  # torn tail of a kill
+    part_path(out, 1).write_text('{"id": 2, "text": "b"}\n{"id": 4, "text": "d"}\n\n')
+    part_path(out, 2).write_text('{"id": 5, "text": "e"}\n{"id": 6, "te')
+    assert merge_parts(out) == 2  # ids 4 and 5; 2 is there already, the torn and blank lines are no rows
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [1, 2, 4, 5]
+    assert not list(tmp_path.glob("out.jsonl.part-*"))
+    assert merge_parts(out) == 0  # idempotent: a merge interrupted before its deletes adds nothing twice
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc,tp_size", [(4, 2), (3, 1)], ids=["dp2xtp2", "dp3xtp1"])
+def test_dp_job_matches_one_process(model_dir, rows, reference, tmp_path, nproc, tp_size):
+    out = tmp_path / "out.jsonl"
+    proc = _run(_job(model_dir, rows, out, nproc, tp_size))
+    assert _texts(out) == reference
+    dp = nproc // tp_size
+    assert f"over {dp} replicas" in proc.stdout
+    metrics = json.loads(out.with_suffix(".metrics.json").read_text())
+    assert (metrics["dp_size"], metrics["tp_size"], metrics["completed"]) == (dp, tp_size, ROWS)
+    replicas = metrics["replicas"]
+    assert [r["ranks"] for r in replicas] == [[i * tp_size, (i + 1) * tp_size - 1] for i in range(dp)]
+    assert sum(r["rows"] for r in replicas) == ROWS
+    # Rows are taken as replicas have room, so more than one replica serves (not all: on a 2-core CI
+    # machine one process may get no CPU before the others took every row).
+    assert sum(r["rows"] > 0 for r in replicas) >= 2
+    assert sum(r["output_tokens"] for r in replicas) == metrics["output_tokens"]
+    assert all(r["busy_s"] > 0 for r in replicas)
+    assert not list(tmp_path.glob("*.part-*"))  # merged into the one output
+
+
+def _rows_written(out: Path) -> int:
+    files = [out, *out.parent.glob(out.name + ".part-*")]
+    return sum(f.read_bytes().count(b"\n") for f in files if f.exists())
+
+
+def _start_and_kill(cmd: list[str], out: Path, after_rows: int) -> None:
+    """Start a job and SIGKILL every process of it once ``after_rows`` rows are on disk."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        while _rows_written(out) < after_rows:
+            assert proc.poll() is None, "the job ended before it could be killed"
+            assert time.time() < deadline
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_killed_then_resumed_at_other_dp_sizes_gives_one_row_per_id(model_dir, rows, reference, tmp_path):
+    out = tmp_path / "out.jsonl"
+    _start_and_kill(_job(model_dir, rows, out, 2, 1), out, 6)  # DP=2
+    assert list(tmp_path.glob("out.jsonl.part-*")), "replica 1's rows should still be in its part file"
+    _start_and_kill(_job(model_dir, rows, out, 3, 1), out, 14)  # DP=3 resumes, killed again
+    _run(_job(model_dir, rows, out, 1, 0))  # one process finishes
+    assert _texts(out) == reference
+    metrics = json.loads(out.with_suffix(".metrics.json").read_text())
+    assert metrics["already_done"] >= 14 and metrics["already_done"] + metrics["completed"] == ROWS
+
+
+def _child_with_rank(parent: int, rank: int) -> int:
+    for entry in Path("/proc").iterdir():
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    raise AssertionError(f"no child of {parent} has RANK={rank}")
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_replica_drains_them_all(model_dir, rows, reference, tmp_path):
+    out = tmp_path / "out.jsonl"
+    cmd = _job(model_dir, rows, out, 4, 2, "job.drain_timeout_s=0")  # DP=2 x TP=2; in-flight rows are abandoned
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 600
+        while _rows_written(out) < 4:
+            assert proc.poll() is None and time.time() < deadline, "the job ended before it could be signalled"
+            time.sleep(0.05)
+        os.kill(_child_with_rank(proc.pid, 2), signal.SIGUSR1)  # replica 1's leader only
+        sent = time.time()
+        log, _ = proc.communicate(timeout=120)
+        elapsed = time.time() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert elapsed < 60
+    assert proc.returncode != 0  # so a Slurm script requeues
+    assert "SIGUSR1 received: draining" in log and "SIGUSR1 received by another replica: draining" in log, log[-3000:]
+    assert "exitcode: 143" in log or "exit 143" in log, log[-3000:]
+    assert not list(tmp_path.glob("out.jsonl.part-*"))  # replica 1's rows were merged on the way out
+    first = _texts(out)
+    assert 4 <= len(first) < ROWS
+    _run([c for c in cmd if c != "job.drain_timeout_s=0"])
+    assert _texts(out) == reference
+
+
+@pytest.mark.slow
+def test_a_tp_size_that_does_not_divide_the_world_fails_once_and_clearly(model_dir, rows, tmp_path):
+    proc = subprocess.run(_job(model_dir, rows, tmp_path / "out.jsonl", 3, 2), cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert log.count("error on rank") == 1
+    assert "error on rank 0: parallel.tp_size=2 does not divide the world size 3" in log
