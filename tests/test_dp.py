@@ -191,6 +191,32 @@ def test_a_signal_to_one_replica_drains_them_all(model_dir, rows, reference, tmp
 
 
 @pytest.mark.slow
+def test_a_dying_rank_ends_every_replica_and_loses_no_finished_row(model_dir, rows, reference, tmp_path):
+    out = tmp_path / "out.jsonl"
+    cmd = _job(model_dir, rows, out, 4, 2, "job.drain_timeout_s=5")  # DP=2 x TP=2
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 600
+        while _rows_written(out) < 4:
+            assert proc.poll() is None and time.time() < deadline, "the job ended before a rank could be killed"
+            time.sleep(0.05)
+        os.kill(_child_with_rank(proc.pid, 3), signal.SIGKILL)  # a worker of replica 1
+        killed = time.time()
+        written = _rows_written(out)
+        proc.communicate(timeout=120)
+        elapsed = time.time() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    print(f"all ranks gone {elapsed:.1f} s after the kill")
+    assert proc.returncode != 0 and elapsed < 60, elapsed
+    kept = [json.loads(line) for f in [out, *tmp_path.glob("out.jsonl.part-*")] for line in f.read_text().splitlines()]
+    assert len(kept) >= written and all(reference[r["id"]] == r["text"] for r in kept)
+    _run(_job(model_dir, rows, out, 3, 1))  # resumed as DP=3: the part file left behind is merged first
+    assert _texts(out) == reference
+
+
+@pytest.mark.slow
 def test_a_tp_size_that_does_not_divide_the_world_fails_once_and_clearly(model_dir, rows, tmp_path):
     proc = subprocess.run(_job(model_dir, rows, tmp_path / "out.jsonl", 3, 2), cwd=REPO, env=_env(),
                           capture_output=True, text=True, timeout=300)

@@ -115,6 +115,16 @@ def test_greedy_logprobs_and_top_k_equal_hf(tiny_llama_dir):
     json.dumps([o.logprobs for o in outs] + [o.prompt_logprobs for o in outs])  # the JSONL row format
 
 
+def test_logprobs_on_the_default_model_equal_hf(default_model_dir):
+    """The embedded SmolLM2 (tied embeddings, 49k vocabulary), text prompts through its tokenizer."""
+    llm = make_llm(default_model_dir)
+    texts = ["The capital of France is", "Write one word about the sea:"]
+    prompts = [llm.encode(t) for t in texts]
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True, logprobs=5, prompt_logprobs=3)
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        check_output(default_model_dir, prompt, out, 5, 3)
+
+
 def test_prompt_logprobs_are_computed_not_taken_from_the_radix_cache(tiny_llama_dir):
     llm = make_llm(tiny_llama_dir, "cache.type=radix", "cache.debug_checks=true")
     prefix = random_prompts([64], seed=2)[0]
