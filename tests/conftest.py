@@ -25,6 +25,17 @@ def default_model_dir() -> Path:
     return ensure_default_model(quiet=True)
 
 
+def perturb_norms_and_biases(model: torch.nn.Module) -> torch.nn.Module:
+    """HF's init leaves norms at 1 and biases at 0: perturb them so a misused one cannot pass unnoticed."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.05)
+    return model
+
+
 def make_tiny_llama(path: Path, *, vocab: int = 512, heads: int = 8, kv_heads: int = 2, layers: int = 3,
                     tie: bool = False, rope_scaling: bool = True, seed: int = 0, bias: bool = False) -> Path:
     """A random HF Llama checkpoint (safetensors + config.json + generation_config.json)."""
@@ -40,14 +51,7 @@ def make_tiny_llama(path: Path, *, vocab: int = 512, heads: int = 8, kv_heads: i
                       "original_max_position_embeddings": 256} if rope_scaling else None,
         eos_token_id=vocab - 1, bos_token_id=1,
     )
-    model = LlamaForCausalLM(cfg).to(torch.float32)
-    # Random init leaves norms at 1; perturb them so a wrong norm cannot pass unnoticed.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            if name.endswith("bias"):
-                p.normal_(0, 0.05)
+    model = perturb_norms_and_biases(LlamaForCausalLM(cfg).to(torch.float32))
     model.save_pretrained(path, safe_serialization=True)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": vocab - 1}))
     return path

@@ -16,6 +16,7 @@ import pytest
 from parallel.distributed import TorchrunEnv, layout
 from runtime.frontend.job_files import merge_parts, part_path
 from tests.conftest import make_tiny_llama
+from tests.tp_utils import child_with_rank
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -123,16 +124,19 @@ def _rows_written(out: Path) -> int:
     return sum(f.read_bytes().count(b"\n") for f in files if f.exists())
 
 
+def _wait_for_rows(proc: subprocess.Popen, out: Path, n: int) -> None:
+    deadline = time.time() + 600
+    while _rows_written(out) < n:
+        assert proc.poll() is None and time.time() < deadline, "the job ended before it could be interrupted"
+        time.sleep(0.05)
+
+
 def _start_and_kill(cmd: list[str], out: Path, after_rows: int) -> None:
     """Start a job and SIGKILL every process of it once ``after_rows`` rows are on disk."""
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
-        deadline = time.time() + 600
-        while _rows_written(out) < after_rows:
-            assert proc.poll() is None, "the job ended before it could be killed"
-            assert time.time() < deadline
-            time.sleep(0.05)
+        _wait_for_rows(proc, out, after_rows)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
@@ -150,29 +154,14 @@ def test_killed_then_resumed_at_other_dp_sizes_gives_one_row_per_id(model_dir, r
     assert metrics["already_done"] >= 14 and metrics["already_done"] + metrics["completed"] == ROWS
 
 
-def _child_with_rank(parent: int, rank: int) -> int:
-    for entry in Path("/proc").iterdir():
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == parent and f"RANK={rank}".encode() in environ:
-            return int(entry.name)
-    raise AssertionError(f"no child of {parent} has RANK={rank}")
-
-
 @pytest.mark.slow
 def test_a_signal_to_one_replica_drains_them_all(model_dir, rows, reference, tmp_path):
     out = tmp_path / "out.jsonl"
     cmd = _job(model_dir, rows, out, 4, 2, "job.drain_timeout_s=0")  # DP=2 x TP=2; in-flight rows are abandoned
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.time() + 600
-        while _rows_written(out) < 4:
-            assert proc.poll() is None and time.time() < deadline, "the job ended before it could be signalled"
-            time.sleep(0.05)
-        os.kill(_child_with_rank(proc.pid, 2), signal.SIGUSR1)  # replica 1's leader only
+        _wait_for_rows(proc, out, 4)
+        os.kill(child_with_rank(proc.pid, 2), signal.SIGUSR1)  # replica 1's leader only
         sent = time.time()
         log, _ = proc.communicate(timeout=120)
         elapsed = time.time() - sent
@@ -196,11 +185,8 @@ def test_a_dying_rank_ends_every_replica_and_loses_no_finished_row(model_dir, ro
     cmd = _job(model_dir, rows, out, 4, 2, "job.drain_timeout_s=5")  # DP=2 x TP=2
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.time() + 600
-        while _rows_written(out) < 4:
-            assert proc.poll() is None and time.time() < deadline, "the job ended before a rank could be killed"
-            time.sleep(0.05)
-        os.kill(_child_with_rank(proc.pid, 3), signal.SIGKILL)  # a worker of replica 1
+        _wait_for_rows(proc, out, 4)
+        os.kill(child_with_rank(proc.pid, 3), signal.SIGKILL)  # a worker of replica 1
         killed = time.time()
         written = _rows_written(out)
         proc.communicate(timeout=120)

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from runtime import LLM, SamplingParams
+from tests.conftest import perturb_norms_and_biases
 from tests.helpers import prefill_logits, relative_error
 
 pytestmark = pytest.mark.gpu
@@ -54,12 +55,7 @@ def save_random_hf_model(config, path: Path, device: str = "cuda") -> Path:  # n
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     assert type(model).__name__ == config.architectures[0]
-    with torch.no_grad():  # HF's init leaves norms at 1 and biases at 0: perturb them so a misused one shows
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith("bias"):
-                p.normal_(0, 0.05)
+    perturb_norms_and_biases(model)
     model.save_pretrained(path, safe_serialization=True)
     del model
     torch.cuda.empty_cache()

@@ -20,7 +20,8 @@ import torch
 
 from scripts.make_random_checkpoint import write_random_checkpoint
 from tests.helpers import relative_error
-from tests.test_torchrun import _alive, _child_with_rank
+from tests.test_torchrun import _alive
+from tests.tp_utils import child_with_rank
 
 pytestmark = pytest.mark.gpu
 two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -188,7 +189,7 @@ def test_tp2_drains_on_signal_and_resumes(small_model, tmp_path, sig):
     proc = _start_job(small_model, rows, out, "job.drain_timeout_s=2")
     try:
         _wait_first_row(proc, out)
-        ranks = [_child_with_rank(proc.pid, r) for r in (0, 1)]
+        ranks = [child_with_rank(proc.pid, r) for r in (0, 1)]
         assert None not in ranks
         for pid in ranks:  # as Slurm signals every process of the step
             os.kill(pid, sig)
@@ -216,7 +217,7 @@ def test_tp2_killed_rank_ends_every_rank_and_rerun_resumes(small_model, tmp_path
     proc = _start_job(small_model, rows, out)
     try:
         _wait_first_row(proc, out)
-        victim, survivor = _child_with_rank(proc.pid, 1), _child_with_rank(proc.pid, 0)
+        victim, survivor = child_with_rank(proc.pid, 1), child_with_rank(proc.pid, 0)
         assert victim is not None and survivor is not None
         os.kill(victim, signal.SIGKILL)
         killed_at = time.time()

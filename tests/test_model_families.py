@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from runtime import LLM, SamplingParams
+from tests.conftest import perturb_norms_and_biases
 from tests.helpers import make_engine, prefill_logits, relative_error
 from tests.tp_utils import run_ranks
 
@@ -39,13 +40,7 @@ def _families() -> dict[str, tuple]:
 
 def _save_random(cls: type, cfg: object, path: Path, seed: int = 7) -> Path:
     torch.manual_seed(seed)
-    model = cls(cfg).to(torch.float32)
-    with torch.no_grad():  # random init leaves norms at 1 and biases at 0: perturb them so errors show
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith("bias"):
-                p.normal_(0, 0.05)
+    model = perturb_norms_and_biases(cls(cfg).to(torch.float32))
     model.save_pretrained(path, safe_serialization=True)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": VOCAB - 1}))
     return path

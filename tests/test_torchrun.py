@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import make_tiny_llama
+from tests.tp_utils import child_with_rank
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -42,20 +43,6 @@ def test_torchrun_tp3_job_writes_the_same_file(default_model_dir, tmp_path):
     assert one == three
 
 
-def _child_with_rank(parent: int, rank: int) -> int | None:
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == parent and f"RANK={rank}".encode() in environ:
-            return int(entry.name)
-    return None
-
-
 def test_killed_rank_ends_every_rank(tmp_path):
     model_dir = make_tiny_llama(tmp_path / "model", vocab=502, heads=8, kv_heads=4, seed=5)
     rows = tmp_path / "rows.jsonl"
@@ -74,8 +61,7 @@ def test_killed_rank_ends_every_rank(tmp_path):
         while not (out.exists() and out.read_text().strip()):  # mid-generation: the first row is done
             assert proc.poll() is None and time.time() < deadline, "the job ended before it could be interrupted"
             time.sleep(0.2)
-        victim, survivor = _child_with_rank(proc.pid, 1), _child_with_rank(proc.pid, 0)
-        assert victim is not None and survivor is not None
+        victim, survivor = child_with_rank(proc.pid, 1), child_with_rank(proc.pid, 0)
         os.kill(victim, signal.SIGKILL)
         killed_at = time.time()
         output, _ = proc.communicate(timeout=60)

@@ -46,3 +46,16 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 600) -> lis
         codes = [p.exitcode for p in procs]
         assert codes == [0] * world, f"rank exit codes {codes}"
         return [torch.load(Path(out) / f"{r}.pt", weights_only=False) for r in range(world)]
+
+
+def child_with_rank(parent: int, rank: int) -> int:
+    """The pid of the process ``parent`` (a torchrun) started with RANK=``rank``."""
+    for entry in Path("/proc").iterdir():
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    raise AssertionError(f"no child of {parent} has RANK={rank}")

@@ -152,9 +152,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Serve (key, prompt, params) items; ``on_result(key, output)`` fires as each one completes.
 
-        ``items`` is a list (all queued at once) or a source the loop pulls from while it runs:
-        ``source(n)`` returns up to ``n`` more items ([] when it has none right now, None when it
-        never will). Jobs use a source so that data-parallel replicas take rows as they have room.
+        ``items`` is a list (all queued at once) or a source the loop pulls from while it runs: ``source(n)``
+        returns up to ``n`` more items ([] when it has none now, None when it never will). Jobs use a source
+        so that data-parallel replicas take rows as they have room.
         """
         results = Results(self._decode, on_result)
 
@@ -163,13 +163,11 @@ class LLM:
                 position = results.new_position(key)
                 try:
                     self._queue(self.make_request(prompt, params), position)
-                except Exception as exc:  # noqa: BLE001 - any failure of one request (a chat template's own
-                    # TemplateError, a tokenizer error) is that request's error, never the whole run's
+                except Exception as exc:  # noqa: BLE001 - one request's failure (a template's TemplateError...) is its own
                     results.fail(position, str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}")
 
         source = items if callable(items) else None
-        if source is None:
-            submit(items)
+        submit([] if source is not None else items)  # a list is queued at once
 
         def refill() -> bool:
             nonlocal source
