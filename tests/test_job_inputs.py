@@ -86,6 +86,18 @@ def test_rerun_retries_failed_rows_and_skips_unreadable_output_lines(tiny_llama_
     assert _read(tmp_path / "out.errors.jsonl") == []  # the latest run's failures: none
 
 
+def test_a_torn_last_line_is_cut_before_new_rows_are_appended(tiny_llama_dir, tmp_path):
+    rows = [{"id": i, "prompt": [5, 6, 7 + i], "sampling": {"max_new_tokens": 2}} for i in range(4)]
+    _write(tmp_path / "rows.jsonl", [json.dumps(r).encode() for r in rows])
+    _write(tmp_path / "out.jsonl", [json.dumps({"id": 0, "text": "x"}).encode()])
+    with open(tmp_path / "out.jsonl", "ab") as f:
+        f.write(b'{"id": 1, "te')  # killed mid-write
+    m = run_job(_llm(tiny_llama_dir, tmp_path), "cfg")
+    assert (m["already_done"], m["completed"]) == (1, 3)
+    lines = (tmp_path / "out.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["id"] for line in lines) == [0, 1, 2, 3]  # every line a whole row
+
+
 def test_input_and_output_must_differ(tiny_llama_dir, tmp_path):
     rows = tmp_path / "rows.jsonl"
     _write(rows, [json.dumps({"id": 1, "prompt": [5]}).encode()])

@@ -39,6 +39,7 @@ from runtime.frontend.job_files import (
     part_path,
     read_rows,
     result_row,
+    whole_lines,
 )
 from runtime.frontend.replicas import Replicas
 
@@ -54,7 +55,8 @@ def run_job(llm: Any, config_yaml: str) -> dict[str, Any]:
     start = time.perf_counter()
     replicas = Replicas(llm.keep_workers_waiting, llm.drain, job.drain_timeout_s)
     if replicas.first:
-        merge_parts(paths.output)  # rows another replica finished before a kill (cuts a torn last line, too)
+        whole_lines(paths.output, repair=True)  # cut a torn last line (a kill mid-write): appends must start clean
+        merge_parts(paths.output)  # rows other replicas finished before a kill
         for stale in part_files(paths.errors):
             stale.unlink()  # the errors file describes the latest run only
         paths.config.parent.mkdir(parents=True, exist_ok=True)
