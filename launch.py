@@ -75,7 +75,7 @@ def serve(cfg: RuntimeConfig, llm: LLM, drain: Drain) -> int:
             replicas = f" over {m['dp_size']} replicas" if m["dp_size"] > 1 else ""
             print(f"{m['completed']} rows done, {m['errors']} errors, {m['already_done']} done before -> "
                   f"{cfg.job.output}; {m['output_tokens']} tokens at {m['output_tokens_per_s']:.1f} tokens/s{replicas}")
-        if m["interrupted"] or llm.interrupted or drain.requested:
+        if m["interrupted"] or drain.requested:  # any replica cut short (this one included)
             print(f"interrupted by signal: finished rows are on disk; rerun to complete (exit {EXIT_PREEMPTED})",
                   file=sys.stderr)
             return EXIT_PREEMPTED

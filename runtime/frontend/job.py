@@ -39,7 +39,6 @@ from runtime.frontend.job_files import (
     part_path,
     read_rows,
     result_row,
-    whole_lines,
 )
 from runtime.frontend.replicas import Replicas
 
@@ -55,8 +54,7 @@ def run_job(llm: Any, config_yaml: str) -> dict[str, Any]:
     start = time.perf_counter()
     replicas = Replicas(llm.keep_workers_waiting, llm.drain, job.drain_timeout_s)
     if replicas.first:
-        whole_lines(paths.output, repair=True)  # cut a torn last line (a kill mid-write): appends must start clean
-        merge_parts(paths.output)  # rows other replicas finished before a kill
+        merge_parts(paths.output)  # rows other replicas finished before a kill; a torn last line is cut
         for stale in part_files(paths.errors):
             stale.unlink()  # the errors file describes the latest run only
         paths.config.parent.mkdir(parents=True, exist_ok=True)
@@ -65,7 +63,13 @@ def run_job(llm: Any, config_yaml: str) -> dict[str, Any]:
     rows = list(read_rows(paths.input, llm.default_sampling(), job.chat_template))
     todo = plan(rows, done_ids(paths.output, repair=False))
     replicas.barrier("planned")  # every replica has read the same output before anyone appends to it
-    reports = replicas.gather(serve(llm, replicas, paths, todo))
+    if llm.drain is not None and replicas.store is not None:
+        llm.drain.sync = replicas.share_drain
+    try:
+        reports = replicas.gather(serve(llm, replicas, paths, todo))
+    finally:
+        if llm.drain is not None:
+            llm.drain.sync = None
     if replicas.first:
         merge_parts(paths.output)
         merge_parts(paths.errors, results=False)
@@ -90,12 +94,12 @@ def plan(rows: list[JobRow], done: set[str]) -> list[JobRow]:
         return len(json.dumps(row.prompt)) // 4 + row.sampling.max_new_tokens * row.sampling.n  # ~4 chars a token
 
     todo = [r for r in rows if r.error is not None or r.key not in done]
-    work = {id(r): expected_work(r) for r in todo if r.error is None}
-    cutoff = OUTLIER_WORK * statistics.median(work.values()) if work else 0
-    outliers = sorted((r for r in todo if work.get(id(r), 0) > cutoff), key=lambda r: -work[id(r)])
-    flagged = {id(r) for r in outliers}
-    return [r for r in todo if r.error is not None] + outliers + [
-        r for r in todo if r.error is None and id(r) not in flagged]
+    good = [r for r in todo if r.error is None]
+    work = [expected_work(r) for r in good]
+    cutoff = OUTLIER_WORK * statistics.median(work) if good else 0
+    outliers = sorted((i for i, w in enumerate(work) if w > cutoff), key=lambda i: -work[i])
+    rest = [r for r, w in zip(good, work) if w <= cutoff]
+    return [r for r in todo if r.error is not None] + [good[i] for i in outliers] + rest
 
 
 def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: list[JobRow]) -> dict[str, Any]:
@@ -126,7 +130,6 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: list[JobRow]) -> 
         bar.set_postfix(tok_s=f"{counts['output_tokens'] / max(time.perf_counter() - start, 1e-9):.0f}")
 
     def take(want: int) -> list[tuple[JobRow, Any, Any]] | None:
-        replicas.share_drain()
         picked = replicas.claim(want, len(todo))
         if want > 0 and not picked:
             return None  # every row has been handed out

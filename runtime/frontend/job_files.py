@@ -161,10 +161,11 @@ def merge_parts(path: Path, results: bool = True) -> int:
     ``results``: skip lines that are not result rows and ids ``path`` already holds, so a merge
     interrupted between its append and its deletes adds nothing twice when it runs again.
     """
+    lines = whole_lines(path, repair=True)  # a torn last line (a kill mid-write) goes: appends start clean
     parts = part_files(path)
     if not parts:
         return 0
-    seen = done_ids(path) if results else set()
+    seen = {key for key in map(row_key, lines) if key is not None} if results else set()
     added = 0
     with open(path, "ab") as out:
         for part in parts:

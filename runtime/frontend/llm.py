@@ -72,8 +72,8 @@ class LLM:
         self._closed = False
         self._page_waits = 0  # the scheduler's page-wait count at the last refill
         if get_tp().size > 1:
-            atexit.register(self.shutdown)
-        quiet_garbage_collector()  # workers wait for rank 0's STOP: never leave them hanging
+            atexit.register(self.shutdown)  # workers wait for rank 0's STOP: never leave them hanging
+        quiet_garbage_collector()
 
     # ---- prompts ----------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -112,9 +112,7 @@ class LLM:
                 f"prompt has {len(ids)} tokens; the maximum sequence length is {limit} (model.max_seq_len),"
                 " which must leave room for at least one new token"
             )
-        uid = self._next_uid
-        self._next_uid += 1
-        req = Req(uid, ids, params, min(params.max_new_tokens, limit - len(ids)), run_seed=self.cfg.engine.seed)
+        req = Req(self._take_uid(), ids, params, min(params.max_new_tokens, limit - len(ids)), run_seed=self.cfg.engine.seed)
         if params.stop:
             req.detok = IncrementalDetokenizer(self.tokenizer)
         return req
@@ -174,8 +172,7 @@ class LLM:
             if source is None:
                 return False
             if self.drain is not None and self.drain.requested:
-                source(0)  # lets the source pass the drain on (to other replicas); take nothing new
-                return False
+                return False  # take nothing new
             new = source(self._room())
             if new is None:
                 source = None
@@ -212,10 +209,12 @@ class LLM:
         """Queue ``req`` as input ``position``, with its n - 1 sibling samples right behind it."""
         req.index = position
         self.scheduler.add(req)  # raises for this request alone when it can never be served
-        siblings = make_sample_group(req, [self._next_uid + i for i in range(req.sampling.n - 1)])[1:]
-        self._next_uid += len(siblings)
-        for sibling in siblings:
+        for sibling in make_sample_group(req, [self._take_uid() for _ in range(req.sampling.n - 1)])[1:]:
             self.scheduler.add(sibling)
+
+    def _take_uid(self) -> int:
+        self._next_uid += 1
+        return self._next_uid - 1
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""

@@ -60,13 +60,11 @@ class Replicas:
         self._claimed = end  # everyone's claims so far, as of now
         return range(min(end - count, total), min(end, total))
 
-    def share_drain(self) -> None:
-        """Pass a drain request on: this replica's signal to the others, theirs to this one."""
-        drain = self.drain
-        if self.store is None or drain is None:
-            return
+    def share_drain(self, drain: Drain) -> None:
+        """``Drain.sync`` while a job runs: this replica's signal to the others, theirs to this one (polled at
+        most every ``DRAIN_POLL_S``, so the step loop's check stays cheap)."""
         key = f"{self.prefix}/drain"
-        if drain.requested:
+        if drain.signum is not None:
             if not self._drain_published:
                 self.store.set(key, str(drain.signum))
                 self._drain_published = True

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: "interrupted, resumable"
@@ -24,9 +25,13 @@ log = logging.getLogger(__name__)
 class Drain:
     signum: int | None = None
     since: float = 0.0
+    # Data parallelism: passes requests between replicas (``Replicas.share_drain``) on every check.
+    sync: Callable[[Drain], None] | None = None
 
     @property
     def requested(self) -> bool:
+        if self.sync is not None:
+            self.sync(self)
         return self.signum is not None
 
     def request(self, signum: int, frame: object = None, source: str = "") -> None:
