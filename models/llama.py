@@ -46,15 +46,15 @@ class LlamaAttention(nn.Module):
         ctx = get_ctx()
         d = self.head_dim
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
-        q = q.reshape(-1, self.num_heads, d)
-        k = k.reshape(-1, self.num_kv_heads, d)
-        v = v.reshape(-1, self.num_kv_heads, d)
+        # Views into qkv, no copies: K and V stay side by side ([tokens, 2, kv_heads, d]) so the cache
+        # stores both in one kernel, and the attention kernels read q through its strides.
+        q = qkv[:, : self.num_heads * d].view(-1, self.num_heads, d)
+        kv = qkv[:, self.num_heads * d :].view(-1, 2, self.num_kv_heads, d)
         if self.qk_norm:  # over each head's vector, before RoPE
             q = self.q_norm(q.reshape(-1, d))[0].view(-1, self.num_heads, d)
-            k = self.k_norm(k.reshape(-1, d))[0].view(-1, self.num_kv_heads, d)
-        self.apply_rope(ctx.batch.positions, q, k, cos_sin)
-        out = ctx.attn_backend.forward(q, k, v, self.layer_id)
+            kv[:, 0] = self.k_norm(kv[:, 0].reshape(-1, d))[0].view(-1, self.num_kv_heads, d)
+        self.apply_rope(ctx.batch.positions, q, kv[:, 0], cos_sin)
+        out = ctx.attn_backend.forward(q, kv, self.layer_id)
         return self.o_proj(out.reshape(-1, self.num_heads * d))
 
 

@@ -176,8 +176,9 @@ def release(llm) -> None:  # noqa: ANN001 - runtime.LLM
     torch.cuda.empty_cache()
 
 
-def batch1_step_time(cfg: BenchConfig, graphs: bool) -> float:
-    """Seconds per decode step of a single request (graph replay versus eager)."""
+def batch1_step_time(cfg: BenchConfig, graphs: bool) -> tuple[float, int]:
+    """Seconds per decode step of a single request (graph replay versus eager), and the weight bytes
+    a step reads (as the roofline counts them)."""
     from runtime import LLM, SamplingParams
 
     cfg.engine.cuda_graph_max_bs = 8 if graphs else 0
@@ -190,8 +191,9 @@ def batch1_step_time(cfg: BenchConfig, graphs: bool) -> float:
     llm.run([(0, [5, 6, 7, 8], params)], on_batch=log)
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / max(sum(log.decode), 1)
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
     release(llm)
-    return seconds
+    return seconds, weight_bytes
 
 
 def run_hf(cfg: BenchConfig, mode: str) -> dict:

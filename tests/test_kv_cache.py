@@ -217,3 +217,22 @@ def test_read_rows_ids_of_different_types_are_not_duplicates(tmp_path):
     path = write_jsonl(tmp_path, [json.dumps({"id": 1, "prompt": "a"}), json.dumps({"id": "1", "prompt": "b"})])
     rows = list(read_rows(path, SamplingParams(), chat_template=True))
     assert [r.error for r in rows] == [None, None]
+
+
+def test_store_writes_k_and_v_of_a_fused_qkv_view_at_their_slots():
+    # K and V arrive as one strided view into the fused qkv projection; one store writes both.
+    torch.manual_seed(0)
+    layers, pages, size, heads, dim, q_width = 2, 6, 4, 3, 8, 5 * 8
+    cache = KVCache(layers, pages, size, heads, dim, torch.float32, torch.device("cpu"))
+    tokens = 7
+    qkv = torch.randn(tokens, q_width + 2 * heads * dim)
+    kv = qkv[:, q_width:].view(tokens, 2, heads, dim)
+    slots = torch.tensor([5, 9, 10, 11, 12, 22, 23])
+    cache.store(1, slots, kv)
+    k_flat = cache.k(1).reshape(-1, heads, dim)
+    v_flat = cache.v(1).reshape(-1, heads, dim)
+    assert torch.equal(k_flat[slots], kv[:, 0]) and torch.equal(v_flat[slots], kv[:, 1])
+    untouched = torch.ones(pages * size, dtype=torch.bool)
+    untouched[slots] = False
+    assert k_flat[untouched].abs().sum() == 0 and v_flat[untouched].abs().sum() == 0
+    assert cache.buffer[0].abs().sum() == 0  # the other layer

@@ -39,8 +39,8 @@ class KVCache:
     def v(self, layer: int) -> torch.Tensor:
         return self.buffer[layer, 1]
 
-    def store(self, layer: int, out_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write this step's K/V at flat slot indices ``page * page_size + offset``."""
-        heads, dim = k.shape[-2:]
-        self.buffer[layer, 0].view(-1, heads, dim)[out_loc] = k
-        self.buffer[layer, 1].view(-1, heads, dim)[out_loc] = v
+    def store(self, layer: int, out_loc: torch.Tensor, kv: torch.Tensor) -> None:
+        """Write this step's K and V (``[tokens, 2, kv_heads, head_dim]``, any strides) at flat slot indices
+        ``page * page_size + offset``: one indexed copy for both."""
+        heads, dim = kv.shape[-2:]
+        self.buffer[layer].view(2, -1, heads, dim)[:, out_loc] = kv.transpose(0, 1)

@@ -1,8 +1,8 @@
 """Attention backends behind one interface, and the one place that picks a backend.
 
 ``prepare(batch)`` builds the step's metadata once (shared by all layers);
-``forward(q, k, v, layer_id)`` writes this step's K/V into the paged cache and
-returns attention over the cached sequence. A backend that serves CUDA graphs
+``forward(q, kv, layer_id)`` writes this step's K/V (``kv``: ``[tokens, 2, kv_heads,
+head_dim]``) into the paged cache and returns attention over the cached sequence. A backend that serves CUDA graphs
 (``supports_graphs``) also keeps one static-buffer decode state per captured
 batch size: ``init_graph(bs, max_pages_per_req)`` before capture, then
 ``prepare_graph(batch)`` before the capture and before every replay.
@@ -22,7 +22,7 @@ class AttentionBackend(Protocol):
     supports_graphs: bool
 
     def prepare(self, batch: Batch) -> None: ...
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor: ...
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int) -> torch.Tensor: ...
     def init_graph(self, bs: int, max_pages_per_req: int) -> None: ...
     def prepare_graph(self, batch: Batch) -> None: ...
 

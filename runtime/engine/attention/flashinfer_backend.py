@@ -17,7 +17,15 @@ from runtime.engine.kv_cache import KVCache
 from runtime.utils import concat_ranges, host_to_device
 
 WORKSPACE_BYTES = 128 << 20
-
+# Decode attention kernels, measured on the H200 inside CUDA graphs (scripts/bench_attention.py, requests
+# of 200-2000 cached tokens, 32/8 heads): at 256 requests flashinfer's tensor-core decode on its fa2
+# prefill kernel reads the cache at 3.3 TB/s (head_dim 64) and 3.9 TB/s (128), the CUDA-core decode
+# kernel at 2.3-2.4 TB/s, the fa3 kernel (what "auto" picks on Hopper) at 0.5 TB/s; the tensor-core
+# kernel leads from 4 requests up (11.5 against 13.6 us), the CUDA-core kernel at 1 request (7.8
+# against 10.1 us). The CUDA-core kernel is compiled only for 1, 2, 3, 4 or 8 query heads per KV
+# head (Qwen2.5-7B has 7, 14B 5).
+TENSOR_CORE_DECODE_MIN_BATCH = 4
+CUDA_CORE_GROUP_SIZES = (1, 2, 3, 4, 8)
 
 def paged_layout(kv_lens: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """flashinfer's paged-KV description of a batch: pages per request, indptr, last page length."""
@@ -43,17 +51,26 @@ class FlashInferBackend:
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
         self.dtype = dtype
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        # Measured on the H200 (scripts/bench_attention.py, 32/8 heads, head_dim 64, 128 x 600 tokens):
-        # the CUDA-core decode kernel runs at ~2.6 TB/s, the tensor-core path at ~0.46 TB/s. The CUDA-core
-        # kernel is compiled only for 1, 2, 3, 4 or 8 query heads per KV head (Qwen2.5-7B has 7, 14B 5).
-        self.use_tensor_cores = num_qo_heads // num_kv_heads not in (1, 2, 3, 4, 8)
+        self.cuda_cores_allowed = num_qo_heads // num_kv_heads in CUDA_CORE_GROUP_SIZES
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
-        )
+        # Eager decode (graphs off, or a batch above the largest graph): both kernels, chosen per batch size
+        # by the same rule as the graphs.
+        self.decode = {tc: self._decode_wrapper(tc) for tc in (False, True)}
         self.graph_decode: dict[int, object] = {}
         self._plan_done: dict[int, torch.cuda.Event] = {}
         self.active: object = None
+
+    def decode_uses_tensor_cores(self, batch_size: int) -> bool:
+        return batch_size >= TENSOR_CORE_DECODE_MIN_BATCH or not self.cuda_cores_allowed
+
+    def _decode_wrapper(self, tensor_cores: bool, **graph_buffers: torch.Tensor) -> object:
+        """A decode wrapper on either kernel; CUDA-graph form when given its static buffers."""
+        graph = bool(graph_buffers)
+        if not tensor_cores:
+            return self.fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_cuda_graph=graph, **graph_buffers)
+        return self.fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=True, backend="fa2", use_cuda_graph=graph, **graph_buffers
+        )
 
     def _indices(self, batch: Batch, num_pages: np.ndarray) -> torch.Tensor:
         """Page ids of every request, concatenated, gathered from the device page table."""
@@ -79,7 +96,7 @@ class FlashInferBackend:
         indices = self._indices(batch, num_pages)
         indptr_t, last_t = torch.from_numpy(indptr), torch.from_numpy(last_len)
         if batch.is_decode:
-            wrapper = wrapper or self.decode
+            wrapper = wrapper or self.decode[self.decode_uses_tensor_cores(batch.size)]
             self._plan(wrapper, lambda: wrapper.plan(
                 indptr_t, indices, last_t, hq, hkv, dim, page, q_data_type=self.dtype, kv_data_type=self.dtype,
             ))
@@ -90,15 +107,16 @@ class FlashInferBackend:
                 q_data_type=self.dtype, kv_data_type=self.dtype,
             ))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
-        self.kv_cache.store(layer_id, get_ctx().batch.out_loc, k, v)
-        return self.active.run(q.contiguous(), (self.kv_cache.k(layer_id), self.kv_cache.v(layer_id)))
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int) -> torch.Tensor:
+        self.kv_cache.store(layer_id, get_ctx().batch.out_loc, kv)
+        # q may be a strided view into the fused qkv output: the kernels take its row and head strides.
+        return self.active.run(q, (self.kv_cache.k(layer_id), self.kv_cache.v(layer_id)))
 
     # CUDA graphs: one decode wrapper per captured batch size, over static index buffers.
     def init_graph(self, bs: int, max_pages_per_req: int) -> None:
         dev = self.device
-        self.graph_decode[bs] = self.fi.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+        self.graph_decode[bs] = self._decode_wrapper(
+            self.decode_uses_tensor_cores(bs),
             paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=dev),
             paged_kv_indices_buffer=torch.zeros(bs * max_pages_per_req, dtype=torch.int32, device=dev),
             paged_kv_last_page_len_buffer=torch.zeros(bs, dtype=torch.int32, device=dev),

@@ -60,11 +60,11 @@ class TorchAttentionBackend:
         self.meta = TorchAttnMeta(slots, mask[:, None], q_index_d.view(n, max_q), out_index_d)
         batch.attn_meta = self.meta
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int) -> torch.Tensor:
         meta = self.meta
-        self.kv_cache.store(layer_id, get_ctx().batch.out_loc, k, v)
+        self.kv_cache.store(layer_id, get_ctx().batch.out_loc, kv)
         heads, dim = q.shape[1:]
-        kv_heads = k.shape[1]
+        kv_heads = kv.shape[2]
         q_pad = torch.cat((q, q.new_zeros(1, heads, dim)))[meta.q_index]  # [B, Lq, H, D]
         keys = self.kv_cache.k(layer_id).view(-1, kv_heads, dim)[meta.kv_slots]  # [B, Lkv, Hkv, D]
         values = self.kv_cache.v(layer_id).view(-1, kv_heads, dim)[meta.kv_slots]
@@ -73,7 +73,6 @@ class TorchAttentionBackend:
             attn_mask=meta.mask, scale=self.scale, enable_gqa=True,
         )
         return out.transpose(1, 2).reshape(-1, heads, dim)[meta.out_index]
-
 
     def init_graph(self, bs: int, max_pages_per_req: int) -> None:
         raise NotImplementedError("the torch attention backend does not serve CUDA graphs")
