@@ -33,7 +33,9 @@ class GraphRunner:
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.int32, device=dev)
         self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.out_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        self.logits = torch.zeros(self.max_bs, engine.model_config.vocab_size, dtype=torch.float32, device=dev)
+        # In the model's dtype: consumers upcast where they need to (sampling, logprobs), and a float32 buffer
+        # would cost a conversion pass over [batch, vocab] every step.
+        self.logits = torch.zeros(self.max_bs, engine.model_config.vocab_size, dtype=engine.dtype, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._capture_all()
 

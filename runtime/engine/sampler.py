@@ -137,10 +137,12 @@ class Sampler:
     def _sample_flashinfer(self, logits: torch.Tensor, args: SamplingArgs) -> torch.Tensor:
         from flashinfer import sampling
 
-        probs = sampling.softmax(logits, args.temperatures)
         gen = self.generator
         if args.top_k is None and args.top_p is None:
-            return sampling.sampling_from_probs(probs, generator=gen)
+            # Gumbel-max over the scaled logits: one pass that writes float32 (bf16 / float32 promotes) and one
+            # fused draw, against softmax (read twice, write) + a draw over the probabilities.
+            return sampling.sampling_from_logits(logits / args.temperatures[:, None], generator=gen)
+        probs = sampling.softmax(logits, args.temperatures)
         if args.top_p is None:
             return sampling.top_k_sampling_from_probs(probs, args.top_k, generator=gen)
         if args.top_k is None:
