@@ -44,7 +44,9 @@ def make_cache(a: argparse.Namespace, layout: str, dev: torch.device) -> dict:
     )
 
 
-def wrapper_impl(a: argparse.Namespace, c: dict, layout: str, tensor_cores: bool, backend: str) -> Callable:
+def wrapper_impl(
+    a: argparse.Namespace, c: dict, layout: str, tensor_cores: bool, backend: str, no_split: bool = False
+) -> Callable:
     import flashinfer
 
     dev = c["q"].device
@@ -56,7 +58,7 @@ def wrapper_impl(a: argparse.Namespace, c: dict, layout: str, tensor_cores: bool
         paged_kv_last_page_len_buffer=torch.zeros(a.batch, dtype=torch.int32, device=dev),
     )
     w.plan(c["indptr"], c["indices"], c["last"], a.heads, a.kv_heads, a.head_dim, a.page_size,
-           q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+           q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, disable_split_kv=no_split)
     out = torch.empty_like(c["q"])
     return lambda: w.run(c["q"], (c["k"], c["v"]), out=out)
 
@@ -78,11 +80,11 @@ def xqa_impl(a: argparse.Namespace, c: dict, layout: str) -> Callable:
 def build(a: argparse.Namespace, impl: str, c: dict, layout: str) -> Callable:
     if impl == "cuda":
         return wrapper_impl(a, c, layout, False, "auto")
-    if impl.startswith("tc_"):
-        return wrapper_impl(a, c, layout, True, impl[3:])
+    if impl.startswith("tc_"):  # tc_fa2, tc_fa3, tc_auto; a "_nosplit" suffix plans without split-KV
+        return wrapper_impl(a, c, layout, True, impl[3:].removesuffix("_nosplit"), impl.endswith("_nosplit"))
     if impl == "xqa":
         return xqa_impl(a, c, layout)
-    raise ValueError(f"unknown --impls entry {impl!r} (cuda, tc_fa2, tc_fa3, tc_auto, xqa)")
+    raise ValueError(f"unknown --impls entry {impl!r} (cuda, tc_fa2, tc_fa3, tc_auto, tc_fa2_nosplit, xqa)")
 
 
 def time_graph(fn: Callable) -> tuple[float, torch.Tensor]:

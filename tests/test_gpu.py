@@ -198,6 +198,12 @@ def test_gpu_temperature_sampling_matches_softmax_of_bf16_logits(temperature):
     expected = softmax64(base.float().cpu().numpy(), temperature) * n
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < chi2_critical(vocab - 1), (chi2, counts, expected.round())
+    # Same generator state, same tokens (what keeps TP ranks in step); the next step draws anew.
+    twin = Sampler(vocab, torch.device("cuda"), use_flashinfer=True, seed=0)
+    again = twin.sample(base.expand(n, vocab), twin.prepare(_decode_batch(n, temperature, -1, 1.0, 0)))
+    assert torch.equal(again, tokens)
+    following = twin.sample(base.expand(n, vocab), twin.prepare(_decode_batch(n, temperature, -1, 1.0, 1)))
+    assert not torch.equal(following, tokens)
 
 
 def test_many_engines_in_one_process():

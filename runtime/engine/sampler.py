@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from runtime.batch import Batch
+from runtime.engine.gumbel import sample_with_temperature
 from runtime.utils import host_to_device
 
 MIN_T = 1e-6  # a temperature of 0 would divide by zero
@@ -139,9 +140,7 @@ class Sampler:
 
         gen = self.generator
         if args.top_k is None and args.top_p is None:
-            # Gumbel-max over the scaled logits: one pass that writes float32 (bf16 / float32 promotes) and one
-            # fused draw, against softmax (read twice, write) + a draw over the probabilities.
-            return sampling.sampling_from_logits(logits / args.temperatures[:, None], generator=gen)
+            return sample_with_temperature(logits, args.temperatures, gen)
         probs = sampling.softmax(logits, args.temperatures)
         if args.top_p is None:
             return sampling.top_k_sampling_from_probs(probs, args.top_k, generator=gen)
