@@ -29,7 +29,6 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, kernels: Kernels) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.apply_rope = kernels.apply_rope
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias or cfg.qkv_bias
         )
@@ -53,8 +52,8 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:  # over each head's vector, before RoPE
             q = self.q_norm(q.reshape(-1, d))[0].view(-1, self.num_heads, d)
             kv[:, 0] = self.k_norm(kv[:, 0].reshape(-1, d))[0].view(-1, self.num_kv_heads, d)
-        self.apply_rope(ctx.batch.positions, q, kv[:, 0], cos_sin)
-        out = ctx.attn_backend.forward(q, kv, self.layer_id)
+        # The backend rotates q and k (RoPE) as it writes the cache: one kernel on GPU.
+        out = ctx.attn_backend.forward(q, kv, self.layer_id, cos_sin)
         return self.o_proj(out.reshape(-1, self.num_heads * d))
 
 

@@ -1,7 +1,9 @@
 """Elementwise kernels the model uses: a torch set and a flashinfer set, picked once per model.
 
 The torch versions mirror HF transformers' numerics (norms in float32, RoPE in
-the activation dtype) so that CPU float32 runs match HF to rounding. The model
+the activation dtype) so that CPU float32 runs match HF to rounding. RoPE is applied by
+the attention backend as it writes the KV cache (``rope_torch`` here for the torch
+backend; one fused kernel in the flashinfer backend). The model
 receives its ``Kernels`` when it is built and keeps them: nothing on the hot path
 branches or looks them up globally.
 """
@@ -35,7 +37,7 @@ def _silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _rope_torch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> None:
+def rope_torch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> None:
     """Neox-style rotary embedding in place; q/k are [tokens, heads, head_dim]."""
     half = cos_sin.shape[-1] // 2
     cs = cos_sin[positions]
@@ -69,25 +71,15 @@ def _silu_and_mul_fi(x: torch.Tensor) -> torch.Tensor:
     return flashinfer.activation.silu_and_mul(x)
 
 
-def _rope_fi(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> None:
-    import flashinfer
-
-    head_dim = q.shape[-1]
-    flashinfer.rope.apply_rope_with_cos_sin_cache_inplace(
-        positions, q.view(q.shape[0], -1), k.view(k.shape[0], -1), head_dim, cos_sin, is_neox=True
-    )
-
-
 @dataclass(frozen=True)
 class Kernels:
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
-    apply_rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-TORCH_KERNELS = Kernels(_rms_norm_torch, _add_rms_norm_torch, _silu_and_mul_torch, _rope_torch)
-FLASHINFER_KERNELS = Kernels(_rms_norm_fi, _add_rms_norm_fi, _silu_and_mul_fi, _rope_fi)
+TORCH_KERNELS = Kernels(_rms_norm_torch, _add_rms_norm_torch, _silu_and_mul_torch)
+FLASHINFER_KERNELS = Kernels(_rms_norm_fi, _add_rms_norm_fi, _silu_and_mul_fi)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

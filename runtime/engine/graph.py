@@ -2,7 +2,7 @@
 
 Batch sizes ``[1, 2, 4, 8, 16, 24, ...]`` up to a maximum are captured largest
 first into one shared memory pool, each after a warm-up run. Inputs live in
-static buffers and logits in one preallocated buffer; a live batch is padded to
+static buffers and logits in one preallocated buffer (model dtype); a live batch is padded to
 the next captured size with dummy requests on the reserved dummy row/page.
 """
 

@@ -1,8 +1,10 @@
 """Attention backends behind one interface, and the one place that picks a backend.
 
 ``prepare(batch)`` builds the step's metadata once (shared by all layers);
-``forward(q, kv, layer_id)`` writes this step's K/V (``kv``: ``[tokens, 2, kv_heads,
-head_dim]``) into the paged cache and returns attention over the cached sequence. A backend that serves CUDA graphs
+``forward(q, kv, layer_id, cos_sin)`` rotates q and k (neox RoPE at the batch's positions, from the
+model's cos/sin table), writes this step's K/V (``kv``: ``[tokens, 2, kv_heads, head_dim]``) into the
+paged cache and returns attention over the cached sequence; the flashinfer backend does the rotation
+and the write in one kernel. A backend that serves CUDA graphs
 (``supports_graphs``) also keeps one static-buffer decode state per captured
 batch size: ``init_graph(bs, max_pages_per_req)`` before capture, then
 ``prepare_graph(batch)`` before the capture and before every replay.
@@ -22,7 +24,7 @@ class AttentionBackend(Protocol):
     supports_graphs: bool
 
     def prepare(self, batch: Batch) -> None: ...
-    def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int) -> torch.Tensor: ...
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int, cos_sin: torch.Tensor) -> torch.Tensor: ...
     def init_graph(self, bs: int, max_pages_per_req: int) -> None: ...
     def prepare_graph(self, batch: Batch) -> None: ...
 

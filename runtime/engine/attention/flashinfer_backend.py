@@ -13,6 +13,7 @@ import torch
 
 from models.context import get_ctx
 from runtime.batch import Batch
+from runtime.engine.attention.rope_store import rope_and_store
 from runtime.engine.kv_cache import KVCache
 from runtime.utils import concat_ranges, host_to_device
 
@@ -107,8 +108,9 @@ class FlashInferBackend:
                 q_data_type=self.dtype, kv_data_type=self.dtype,
             ))
 
-    def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int) -> torch.Tensor:
-        self.kv_cache.store(layer_id, get_ctx().batch.out_loc, kv)
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int, cos_sin: torch.Tensor) -> torch.Tensor:
+        batch = get_ctx().batch
+        rope_and_store(batch.positions, q, kv, cos_sin, self.kv_cache, layer_id, batch.out_loc)
         # q may be a strided view into the fused qkv output: the kernels take its row and head strides.
         return self.active.run(q, (self.kv_cache.k(layer_id), self.kv_cache.v(layer_id)))
 

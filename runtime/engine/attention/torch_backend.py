@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from models.context import get_ctx
+from models.ops import rope_torch
 from runtime.batch import Batch
 from runtime.engine.kv_cache import KVCache
 from runtime.utils import host_to_device
@@ -60,9 +61,11 @@ class TorchAttentionBackend:
         self.meta = TorchAttnMeta(slots, mask[:, None], q_index_d.view(n, max_q), out_index_d)
         batch.attn_meta = self.meta
 
-    def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int, cos_sin: torch.Tensor) -> torch.Tensor:
         meta = self.meta
-        self.kv_cache.store(layer_id, get_ctx().batch.out_loc, kv)
+        batch = get_ctx().batch
+        rope_torch(batch.positions, q, kv[:, 0], cos_sin)
+        self.kv_cache.store(layer_id, batch.out_loc, kv)
         heads, dim = q.shape[1:]
         kv_heads = kv.shape[2]
         q_pad = torch.cat((q, q.new_zeros(1, heads, dim)))[meta.q_index]  # [B, Lq, H, D]

@@ -1,0 +1,77 @@
+"""RoPE on q and k and the KV-cache write of a layer in one GPU kernel (Triton).
+
+Unfused, a layer runs flashinfer's RoPE (in place on q and k) and then an indexed copy of K and V into the
+paged cache: two launches per layer and a second read of K. Here one program per token rotates its q heads
+in place and writes its rotated k heads and its v heads straight to the token's cache slot. Neox-style
+rotation over the whole head (every supported family), computed in float32 and rounded once, as
+flashinfer's kernel does. Without Triton: flashinfer's RoPE, then ``KVCache.store``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.engine.kv_cache import KVCache
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs never reach the flashinfer backend
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _rotate(src, cos, sin, dst, dst1, mask, HALF: tl.constexpr):
+        """Rotate the head rows at ``src`` (first halves; second halves HALF further) into ``dst``/``dst1``."""
+        x1 = tl.load(src, mask=mask).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=mask).to(tl.float32)
+        tl.store(dst, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
+        tl.store(dst1, (x2 * cos + x1 * sin).to(dst1.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rope_store(
+        q_ptr, q_stride, kv_ptr, kv_stride, pos_ptr, cos_sin_ptr, loc_ptr, cache_ptr, plane_stride,
+        HQ: tl.constexpr, HKV: tl.constexpr, HQ_P2: tl.constexpr, HKV_P2: tl.constexpr, HALF: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        dims = tl.arange(0, HALF)[None, :]
+        pos = tl.load(pos_ptr + t)
+        cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + dims)
+        sin = tl.load(cos_sin_ptr + pos * (2 * HALF) + HALF + dims)
+        hq = tl.arange(0, HQ_P2)[:, None]
+        q = q_ptr + t.to(tl.int64) * q_stride + hq * (2 * HALF) + dims
+        _rotate(q, cos, sin, q, q + HALF, hq < HQ, HALF)
+        hk = tl.arange(0, HKV_P2)[:, None]
+        k = kv_ptr + t.to(tl.int64) * kv_stride + hk * (2 * HALF) + dims
+        v = k + HKV * 2 * HALF
+        slot = cache_ptr + tl.load(loc_ptr + t) * (HKV * 2 * HALF) + hk * (2 * HALF) + dims
+        _rotate(k, cos, sin, slot, slot + HALF, hk < HKV, HALF)
+        tl.store(slot + plane_stride, tl.load(v, mask=hk < HKV), mask=hk < HKV)
+        tl.store(slot + plane_stride + HALF, tl.load(v + HALF, mask=hk < HKV), mask=hk < HKV)
+
+
+def rope_and_store(
+    positions: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, cos_sin: torch.Tensor, kv_cache: KVCache,
+    layer: int, out_loc: torch.Tensor,
+) -> None:
+    """Rotate ``q`` ([tokens, heads, d], in place) and K of ``kv`` ([tokens, 2, kv_heads, d]) at ``positions``,
+    and write K and V to the cache slots ``out_loc``. Rows may be strided; heads and dims must be dense."""
+    tokens, heads, dim = q.shape
+    kv_heads = kv.shape[2]
+    if triton is None:
+        import flashinfer
+
+        flashinfer.rope.apply_rope_with_cos_sin_cache_inplace(
+            positions, q.view(tokens, -1), kv[:, 0].view(tokens, -1), dim, cos_sin, is_neox=True
+        )
+        kv_cache.store(layer, out_loc, kv)
+        return
+    if tokens == 0:
+        return
+    cache = kv_cache.buffer[layer]  # [2, pages, page_size, kv_heads, d]
+    _rope_store[(tokens,)](
+        q, q.stride(0), kv, kv.stride(0), positions, cos_sin, out_loc, cache, cache.stride(0),
+        HQ=heads, HKV=kv_heads, HQ_P2=triton.next_power_of_2(heads), HKV_P2=triton.next_power_of_2(kv_heads),
+        HALF=dim // 2, num_warps=4,
+    )
