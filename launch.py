@@ -2,6 +2,7 @@
 
     python launch.py                                   # configs/default.yaml: built-in prompts
     python launch.py --config my.yaml cache.page_size=1
+    python launch.py --nproc-per-node 3 job.input=rows.jsonl job.output=out.jsonl   # starts torchrun itself
     torchrun --nproc-per-node 3 launch.py job.input=rows.jsonl job.output=out.jsonl
     torchrun --nproc-per-node 8 launch.py parallel.tp_size=2 job.input=rows.jsonl job.output=out.jsonl  # DP 4 x TP 2
 
@@ -37,6 +38,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="tpinfer: tensor-parallel offline inference for Llama-family models")
     parser.add_argument("--config", action="append", default=None, help="YAML config (repeatable; merged in order)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                        help="start N ranks on this node through torchrun's launcher, with our exit codes: 143 "
+                             "after a drain, a failed rank's own code, no launcher traceback (parallel/launcher.py)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. cache.page_size=1")
     return parser.parse_args(argv)
 
@@ -121,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
+    if args.nproc_per_node is not None:
+        return start_ranks(args)
     if bool(cfg.job.input) != bool(cfg.job.output):
         print("error: config keys 'job.input' and 'job.output' must be set together", file=sys.stderr)
         return 2
@@ -159,6 +165,21 @@ def main(argv: list[str] | None = None) -> int:
     # Every engine released its CUDA graphs on the way out, so destroying the groups cannot block.
     shutdown_distributed()
     return code
+
+
+def start_ranks(args: argparse.Namespace) -> int:
+    """``--nproc-per-node N``: this process becomes the launcher of N ranks running this script."""
+    from parallel.distributed import read_torchrun_env
+    from parallel.launcher import run_torchrun
+
+    if args.nproc_per_node < 1:
+        print(f"error: --nproc-per-node must be at least 1, got {args.nproc_per_node}", file=sys.stderr)
+        return 2
+    if read_torchrun_env().world_size > 1 or "TORCHELASTIC_RUN_ID" in os.environ:
+        print("error: --nproc-per-node starts the ranks itself; under torchrun leave it out", file=sys.stderr)
+        return 2
+    script_args = [f"--config={c}" for c in args.config or []] + args.overrides
+    return run_torchrun(args.nproc_per_node, str(Path(__file__).resolve()), script_args)
 
 
 def exit_now(code: int) -> None:

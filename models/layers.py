@@ -38,7 +38,10 @@ class FullTensor:
 
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
-        raise ValueError(f"{what}={numerator} is not divisible by tensor-parallel size {denominator}")
+        raise ValueError(
+            f"{what}={numerator} is not divisible by tensor-parallel size {denominator}; choose a parallel.tp_size "
+            f"that divides it (parallel.tp_size=1 makes every rank a data-parallel replica)"
+        )
     return numerator // denominator
 
 

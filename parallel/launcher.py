@@ -1,0 +1,53 @@
+"""Start a one-node torchrun job from our own entry point, so that its exit code and its last words are ours.
+
+``python launch.py --nproc-per-node N ...`` runs torchrun's launcher (``torch.distributed.run``) inside
+this process, with a private rendezvous (``--standalone``), and translates how it ends:
+
+- a signal to the launcher (SIGTERM from a scheduler, Ctrl-C): torchrun forwards it to the ranks, waits
+  for them (they drain: finished rows are on disk) and raises ``SignalException``; plain torchrun then
+  exits 1 with a traceback. Here: one line, exit 128 + the signal (143 for SIGTERM, "resumable").
+- ranks that failed: each printed its own one-line error before exiting; plain torchrun adds a
+  ``ChildFailedError`` traceback and exits 1. Here: one line naming the ranks and their codes; exit 143
+  when every failed rank drained (exit 143), else the first failed rank's code.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+EXIT_DRAINED = 143  # a rank that drained on a signal exits 128 + SIGTERM (runtime.frontend.signals)
+
+
+def exit_code_of(rank_codes: dict[int, int]) -> int:
+    """The launcher's exit code for failed ranks ``{global rank: exit code}`` (negative: killed by that signal)."""
+    codes = {rank: 128 - code if code < 0 else code for rank, code in rank_codes.items()}
+    failed = {rank: code for rank, code in codes.items() if code != 0}
+    if not failed:
+        return 0
+    if all(code == EXIT_DRAINED for code in failed.values()):
+        return EXIT_DRAINED
+    first = min(rank for rank, code in failed.items() if code != EXIT_DRAINED)
+    return failed[first] if 0 < failed[first] < 256 else 1
+
+
+def run_torchrun(nproc_per_node: int, script: str, script_args: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(["--standalone", f"--nproc-per-node={nproc_per_node}", script, *script_args])
+    try:
+        run(args)
+    except SignalException as exc:
+        code = 128 + int(exc.sigval)
+        print(f"launcher: stopped by {signal.Signals(exc.sigval).name}; the ranks have exited (exit {code})",
+              file=sys.stderr, flush=True)
+        return code
+    except ChildFailedError as exc:
+        rank_codes = {int(rank): failure.exitcode for rank, failure in exc.failures.items()}
+        code = exit_code_of(rank_codes)
+        listed = ", ".join(f"rank {rank}: {c}" for rank, c in sorted(rank_codes.items()))
+        print(f"launcher: ranks failed ({listed}); their errors are above (exit {code})", file=sys.stderr, flush=True)
+        return code
+    return 0

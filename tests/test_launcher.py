@@ -1,0 +1,107 @@
+"""``python launch.py --nproc-per-node N``: torchrun's launcher in our process, with our exit codes and no traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from parallel.launcher import EXIT_DRAINED, exit_code_of
+from tests.conftest import make_tiny_llama
+
+REPO = Path(__file__).resolve().parents[1]
+ROWS = 24
+
+
+@pytest.mark.parametrize(
+    ("rank_codes", "expected"),
+    [
+        ({0: 143, 1: 143}, EXIT_DRAINED),  # every rank drained: resumable
+        ({1: 143}, EXIT_DRAINED),
+        ({0: 143, 1: 1}, 1),  # a real failure wins over a drain
+        ({0: 2, 1: 1}, 2),  # the first failed rank's own code
+        ({1: -9}, 137),  # killed by SIGKILL
+        ({0: 0, 1: 300}, 1),  # not an exit code a shell can carry
+    ],
+)
+def test_exit_code_of_failed_ranks(rank_codes, expected):
+    assert exit_code_of(rank_codes) == expected
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("launcher")
+    model = make_tiny_llama(root / "model", vocab=49152, heads=4, kv_heads=2, layers=2, seed=5)
+    for f in default_model_dir.iterdir():
+        if f.name.startswith("tokenizer"):
+            shutil.copy(f, model / f.name)
+    rows = root / "rows.jsonl"
+    rows.write_text("".join(json.dumps({
+        "id": i, "prompt": f"Row {i}: a few words about {i * 3}.",
+        "sampling": {"max_new_tokens": 40 + (i * 11) % 60, "ignore_eos": True},
+    }) + "\n" for i in range(ROWS)))
+    return model, rows
+
+
+def _launch(model: Path, rows: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "launch.py", "--nproc-per-node", "2", f"model.path={model}", "engine.device=cpu",
+            "model.max_seq_len=512", f"job.input={rows}", f"job.output={out}", "job.progress=false",
+            "job.chat_template=false", "scheduler.max_running_requests=2", *extra]
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_drains_and_exits_143_without_traceback(job, tmp_path):
+    model, rows = job
+    out = tmp_path / "out.jsonl"
+    cmd = _launch(model, rows, out, "parallel.tp_size=2", "job.drain_timeout_s=5")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 600
+        while not (out.exists() and out.read_bytes().count(b"\n") >= 3):
+            assert proc.poll() is None and time.time() < deadline, "the job ended before it could be signalled"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)  # the launcher only, as a scheduler would
+        sent = time.time()
+        _, err = proc.communicate(timeout=120)
+        elapsed = time.time() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_DRAINED and elapsed < 60, (proc.returncode, elapsed, err[-3000:])
+    assert "Traceback" not in err and "launcher: stopped by SIGTERM" in err, err[-3000:]
+    first = [json.loads(line) for line in out.read_text().splitlines()]
+    assert 3 <= len(first) < ROWS
+    rerun = subprocess.run(_launch(model, rows, out, "parallel.tp_size=2"), cwd=REPO, env=_env(),
+                           capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert sorted(ids) == list(range(ROWS))  # every id exactly once
+
+
+@pytest.mark.slow
+def test_a_failing_rank_gives_its_one_line_and_code_without_traceback():
+    # The default model has 9 heads: TP=2 cannot split them (the README's first torchrun try).
+    proc = subprocess.run([sys.executable, "launch.py", "--nproc-per-node", "2", "engine.device=cpu"], cwd=REPO,
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 1, log[-3000:]
+    assert log.count("error on rank") == 1 and "num_attention_heads=9 is not divisible" in log, log[-3000:]
+    assert "parallel.tp_size=1" in log  # the way out is named
+    assert "Traceback" not in log and "launcher: ranks failed" in log, log[-3000:]
+
+
+def test_nproc_per_node_below_one_is_refused():
+    proc = subprocess.run([sys.executable, "launch.py", "--nproc-per-node", "0"], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--nproc-per-node must be at least 1" in proc.stderr
