@@ -28,6 +28,7 @@ WORKSPACE_BYTES = 128 << 20
 TENSOR_CORE_DECODE_MIN_BATCH = 4
 CUDA_CORE_GROUP_SIZES = (1, 2, 3, 4, 8)
 
+
 def paged_layout(kv_lens: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """flashinfer's paged-KV description of a batch: pages per request, indptr, last page length."""
     num_pages = (kv_lens + page_size - 1) // page_size
