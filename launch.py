@@ -169,13 +169,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def start_ranks(args: argparse.Namespace) -> int:
     """``--nproc-per-node N``: this process becomes the launcher of N ranks running this script."""
-    from parallel.distributed import read_torchrun_env
     from parallel.launcher import run_torchrun
 
     if args.nproc_per_node < 1:
         print(f"error: --nproc-per-node must be at least 1, got {args.nproc_per_node}", file=sys.stderr)
         return 2
-    if read_torchrun_env().world_size > 1 or "TORCHELASTIC_RUN_ID" in os.environ:
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun for every rank
         print("error: --nproc-per-node starts the ranks itself; under torchrun leave it out", file=sys.stderr)
         return 2
     script_args = [f"--config={c}" for c in args.config or []] + args.overrides

@@ -85,7 +85,7 @@ def measure_limits(device: torch.device) -> dict[str, float]:
 def roofline_seconds(llm, log: StepLog, limits: dict[str, float]) -> float:  # noqa: ANN001
     mc = llm.model_config
     model = llm.engine.model
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = llm.engine.weight_bytes
     matmul_params = sum(p.numel() for n, p in model.named_parameters() if "norm" not in n and "embed" not in n)
     if mc.tie_word_embeddings:
         matmul_params += model.lm_head.weight.numel()
@@ -191,7 +191,7 @@ def batch1_step_time(cfg: BenchConfig, graphs: bool) -> tuple[float, int]:
     llm.run([(0, [5, 6, 7, 8], params)], on_batch=log)
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / max(sum(log.decode), 1)
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+    weight_bytes = llm.engine.weight_bytes
     release(llm)
     return seconds, weight_bytes
 

@@ -1,7 +1,10 @@
-"""Test helpers: drive the engine directly for teacher-forced logits."""
+"""Test helpers: drive the engine directly for teacher-forced logits; watch a running job's output."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -90,3 +93,26 @@ def _teacher_forced(
 
 def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours.double() - ref.double()).abs().max() / ref.double().abs().max())
+
+
+def rows_written(out: Path) -> int:
+    """Distinct ids in the output and the part files: a run killed between merging a part file into the
+    output and deleting it leaves those rows in both."""
+    ids = set()
+    for f in [out, *out.parent.glob(out.name + ".part-*")]:
+        try:
+            data = f.read_bytes()
+        except FileNotFoundError:  # not written yet, or a part file just merged away
+            continue
+        for line in data.splitlines(keepends=True):
+            if line.endswith(b"\n"):  # a complete line (the last one may be mid-write)
+                ids.add(json.loads(line)["id"])
+    return len(ids)
+
+
+def wait_for_rows(proc: subprocess.Popen, out: Path, n: int) -> None:
+    """Until ``n`` rows of a running job are on disk; fails if the job ends first (or after 10 minutes)."""
+    deadline = time.time() + 600
+    while rows_written(out) < n:
+        assert proc.poll() is None and time.time() < deadline, "the job ended before it could be interrupted"
+        time.sleep(0.05)

@@ -16,6 +16,7 @@ import pytest
 from parallel.distributed import TorchrunEnv, layout
 from runtime.frontend.job_files import merge_parts, part_path
 from tests.conftest import make_tiny_llama
+from tests.helpers import rows_written, wait_for_rows
 from tests.tp_utils import child_with_rank
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,34 +120,12 @@ def test_dp_job_matches_one_process(model_dir, rows, reference, tmp_path, nproc,
     assert not list(tmp_path.glob("*.part-*"))  # merged into the one output
 
 
-def _rows_written(out: Path) -> int:
-    """Distinct ids in the output and the part files: a run killed between merging a part file into the
-    output and deleting it leaves those rows in both."""
-    ids = set()
-    for f in [out, *out.parent.glob(out.name + ".part-*")]:
-        try:
-            data = f.read_bytes()
-        except FileNotFoundError:  # not written yet, or a part file just merged away
-            continue
-        for line in data.splitlines(keepends=True):
-            if line.endswith(b"\n"):  # a complete line (the last one may be mid-write)
-                ids.add(json.loads(line)["id"])
-    return len(ids)
-
-
-def _wait_for_rows(proc: subprocess.Popen, out: Path, n: int) -> None:
-    deadline = time.time() + 600
-    while _rows_written(out) < n:
-        assert proc.poll() is None and time.time() < deadline, "the job ended before it could be interrupted"
-        time.sleep(0.05)
-
-
 def _start_and_kill(cmd: list[str], out: Path, after_rows: int) -> None:
     """Start a job and SIGKILL every process of it once ``after_rows`` rows are on disk."""
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
-        _wait_for_rows(proc, out, after_rows)
+        wait_for_rows(proc, out, after_rows)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
@@ -170,7 +149,7 @@ def test_a_signal_to_one_replica_drains_them_all(model_dir, rows, reference, tmp
     cmd = _job(model_dir, rows, out, 4, 2, "job.drain_timeout_s=0")  # DP=2 x TP=2; in-flight rows are abandoned
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_for_rows(proc, out, 4)
+        wait_for_rows(proc, out, 4)
         os.kill(child_with_rank(proc.pid, 2), signal.SIGUSR1)  # replica 1's leader only
         sent = time.time()
         log, _ = proc.communicate(timeout=120)
@@ -195,10 +174,10 @@ def test_a_dying_rank_ends_every_replica_and_loses_no_finished_row(model_dir, ro
     cmd = _job(model_dir, rows, out, 4, 2, "job.drain_timeout_s=5")  # DP=2 x TP=2
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_for_rows(proc, out, 4)
+        wait_for_rows(proc, out, 4)
         os.kill(child_with_rank(proc.pid, 3), signal.SIGKILL)  # a worker of replica 1
         killed = time.time()
-        written = _rows_written(out)
+        written = rows_written(out)
         proc.communicate(timeout=120)
         elapsed = time.time() - killed
     finally:

@@ -15,6 +15,7 @@ import pytest
 
 from parallel.launcher import EXIT_DRAINED, exit_code_of
 from tests.conftest import make_tiny_llama
+from tests.helpers import wait_for_rows
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS = 24
@@ -67,10 +68,7 @@ def test_sigterm_to_the_launcher_drains_and_exits_143_without_traceback(job, tmp
     cmd = _launch(model, rows, out, "parallel.tp_size=2", "job.drain_timeout_s=5")
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 600
-        while not (out.exists() and out.read_bytes().count(b"\n") >= 3):
-            assert proc.poll() is None and time.time() < deadline, "the job ended before it could be signalled"
-            time.sleep(0.05)
+        wait_for_rows(proc, out, 3)
         proc.send_signal(signal.SIGTERM)  # the launcher only, as a scheduler would
         sent = time.time()
         _, err = proc.communicate(timeout=120)

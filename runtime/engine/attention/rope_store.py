@@ -67,8 +67,6 @@ def rope_and_store(
         )
         kv_cache.store(layer, out_loc, kv)
         return
-    if tokens == 0:
-        return
     cache = kv_cache.buffer[layer]  # [2, pages, page_size, kv_heads, d]
     _rope_store[(tokens,)](
         q, q.stride(0), kv, kv.stride(0), positions, cos_sin, out_loc, cache, cache.stride(0),
