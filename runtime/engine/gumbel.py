@@ -40,7 +40,7 @@ if triton is not None:
 
     @triton.jit
     def _gumbel_block_max(
-        logits_ptr, row_stride, inv_temp_ptr, seed_ptr, best_ptr, best_idx_ptr, vocab, blocks, BLOCK: tl.constexpr
+        logits_ptr, row_stride, temp_ptr, seed_ptr, best_ptr, best_idx_ptr, vocab, blocks, BLOCK: tl.constexpr
     ):
         row = tl.program_id(0)
         block = tl.program_id(1)
@@ -49,7 +49,7 @@ if triton is not None:
         x = tl.load(logits_ptr + row.to(tl.int64) * row_stride + cols, mask=inside, other=0.0).to(tl.float32)
         seed = tl.load(seed_ptr).to(tl.uint32)
         u = _uniform(row * vocab + cols, seed)
-        score = tl.where(inside, x * tl.load(inv_temp_ptr + row) - tl.log(-tl.log(u)), float("-inf"))
+        score = tl.where(inside, x / tl.load(temp_ptr + row) - tl.log(-tl.log(u)), float("-inf"))
         top = tl.max(score, axis=0)
         tl.store(best_ptr + row * blocks + block, top)
         tl.store(best_idx_ptr + row * blocks + block, tl.min(tl.where(score == top, cols, vocab), axis=0))
@@ -71,6 +71,6 @@ def sample_with_temperature(
     best = torch.empty(rows, blocks, dtype=torch.float32, device=logits.device)
     best_idx = torch.empty(rows, blocks, dtype=torch.int32, device=logits.device)
     _gumbel_block_max[(rows, blocks)](
-        logits, logits.stride(0), 1.0 / temperatures, seed, best, best_idx, vocab, blocks, BLOCK=BLOCK, num_warps=4
+        logits, logits.stride(0), temperatures, seed, best, best_idx, vocab, blocks, BLOCK=BLOCK, num_warps=4
     )
     return best_idx.gather(1, best.argmax(dim=1, keepdim=True))[:, 0]
