@@ -222,3 +222,38 @@ def test_many_engines_in_one_process():
         engine = weakref.ref(llm.engine)
         del llm
         assert engine() is None  # freed (its graphs destroyed) now, not at some later GC pass
+
+
+def _lag_before(fn):  # noqa: ANN001, ANN202
+    """``fn`` after a ~10 ms busy-wait kernel on the current stream: the host then runs that far ahead of the GPU."""
+
+    def lagged(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        torch.cuda._sleep(20_000_000)
+        return fn(self, *args, **kwargs)
+
+    return lagged
+
+
+def test_tokens_do_not_change_when_the_host_runs_far_ahead_of_the_gpu(monkeypatch):
+    """Host/GPU races (say, flashinfer's pinned plan buffer rewritten before the GPU copied the previous plan)
+    stay hidden while the GPU keeps up with the host. A busy-wait before every attention plan and graph
+    replay puts the host ~10 ms ahead of each step, as a slow step would; greedy tokens must not change."""
+    from runtime.engine import graph
+    from runtime.engine.attention import flashinfer_backend
+
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 10000, (int(torch.randint(5, 200, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(24)]
+    params = [SamplingParams(temperature=0, max_new_tokens=int(torch.randint(4, 40, (1,), generator=gen)), ignore_eos=True)
+              for _ in prompts]
+
+    def generate() -> list[list[int]]:
+        llm = LLM(str(SMOL), overrides=[*COMMON, "scheduler.max_running_requests=12", "engine.cuda_graph_max_bs=8"])
+        tokens = [o.token_ids for o in llm.generate(prompts, params)]
+        llm.shutdown()
+        return tokens
+
+    in_step = generate()
+    monkeypatch.setattr(flashinfer_backend.FlashInferBackend, "prepare", _lag_before(flashinfer_backend.FlashInferBackend.prepare))
+    monkeypatch.setattr(graph.GraphRunner, "replay", _lag_before(graph.GraphRunner.replay))
+    assert generate() == in_step
