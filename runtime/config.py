@@ -46,6 +46,9 @@ class SchedulerSection:
     max_running_requests: int = 256
     max_prefill_tokens: int = 8192  # prefill tokens per step; longer prompts are chunked
     overlap: bool = True  # schedule step N+1 while the GPU runs step N
+    # While requests decode, new prompts wait until this share of max_running_requests rows is free (or all
+    # that wait fit): their prefill step stops every decode, so it is paid once per group, not per request.
+    admit_free_share: float = 0.0625
 
 
 @dataclass
@@ -163,6 +166,8 @@ def _validate(cfg: RuntimeConfig) -> None:
         value = OmegaConf.select(node, key)
         if value <= 0:
             raise ConfigError(f"config key '{key}'={value} must be > 0")
+    if not 0.0 <= cfg.scheduler.admit_free_share <= 1.0:
+        raise ConfigError(f"config key 'scheduler.admit_free_share'={cfg.scheduler.admit_free_share} must be in [0, 1]")
     if not 0.0 < cfg.cache.memory_ratio <= 1.0:
         raise ConfigError(f"config key 'cache.memory_ratio'={cfg.cache.memory_ratio} must be in (0, 1]")
     if not 0 <= cfg.engine.seed < 2**31:

@@ -126,6 +126,8 @@ def test_unknown_key_without_near_match_has_no_bogus_suggestion():
         ("cache.page_size=0", "cache.page_size"),
         ("cache.memory_ratio=1.5", "cache.memory_ratio"),
         ("cache.memory_ratio=0", "cache.memory_ratio"),
+        ("scheduler.admit_free_share=1.5", "scheduler.admit_free_share"),
+        ("scheduler.admit_free_share=-0.1", "scheduler.admit_free_share"),
         ("model.dtype=fp8", "model.dtype"),
         ("engine.device=tpu", "engine.device"),
         ("scheduler.max_running_requests=0", "scheduler.max_running_requests"),

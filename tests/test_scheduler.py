@@ -36,10 +36,11 @@ MAX_SEQ_LEN = 4096
 
 
 @functools.cache
-def scheduler_cfg(max_running: int, max_prefill: int) -> SchedulerSection:
-    return load_config(
-        overrides=[f"scheduler.max_running_requests={max_running}", f"scheduler.max_prefill_tokens={max_prefill}"]
-    ).scheduler
+def scheduler_cfg(max_running: int, max_prefill: int, admit_free_share: float | None = None) -> SchedulerSection:
+    overrides = [f"scheduler.max_running_requests={max_running}", f"scheduler.max_prefill_tokens={max_prefill}"]
+    if admit_free_share is not None:
+        overrides.append(f"scheduler.admit_free_share={admit_free_share}")
+    return load_config(overrides=overrides).scheduler
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -267,9 +268,10 @@ class Run:
 
 def run_workload(
     specs: list[Spec], *, overlap: bool, max_running: int = 4, max_prefill: int = 64, num_pages: int = 256,
-    page_size: int = 4,
+    page_size: int = 4, admit_free_share: float | None = None,
 ) -> Run:
-    s = Scheduler(scheduler_cfg(max_running, max_prefill), num_pages, page_size, MAX_SEQ_LEN, max_running)
+    cfg = scheduler_cfg(max_running, max_prefill, admit_free_share)
+    s = Scheduler(cfg, num_pages, page_size, MAX_SEQ_LEN, max_running)
     reqs = [Req(sp.uid, sp.prompt(), SamplingParams(temperature=0.0, max_new_tokens=sp.max_new), sp.max_new)
             for sp in specs]
     for r in reqs:
@@ -411,6 +413,23 @@ def test_new_requests_are_admitted_as_others_finish(overlap):
     # Requests are admitted in arrival order.
     order = [uid for st in run.steps for uid in st.admitted]
     assert order == sorted(order) == [sp.uid for sp in specs]
+
+
+@OVERLAP
+def test_while_others_decode_new_requests_are_admitted_in_groups(overlap):
+    """A prefill step stops every decode. With 8 rows and admit_free_share=0.5, requests that finish one by
+    one free their rows, and the waiting ones are admitted 4 or more at a time (the last ones as soon as
+    they all fit): fewer prefill steps than one admission per finished request, and the same outputs."""
+    specs = [Spec(uid, 3, 2 + (5 * uid) % 11) for uid in range(24)]
+    grouped = run_workload(specs, overlap=overlap, max_running=8, admit_free_share=0.5)
+    one_by_one = run_workload(specs, overlap=overlap, max_running=8, admit_free_share=0.0)
+    groups = [len(st.admitted) for st in grouped.steps if st.admitted]
+    assert groups[0] == 8
+    assert all(g >= 4 for g in groups[1:-1]), groups
+    assert sum(groups) == len(specs)
+    singles = [len(st.admitted) for st in one_by_one.steps if st.admitted]
+    assert min(singles[1:]) == 1 and len(groups) < len(singles), (groups, singles)
+    assert grouped.scheduler.stats.prefill_steps < one_by_one.scheduler.stats.prefill_steps
 
 
 @OVERLAP

@@ -2,7 +2,10 @@
 
 Policy: prefill first (continue chunked prompts, then admit waiting requests
 in arrival order while the step's token budget, free rows and free pages
-allow), otherwise decode every running request. A request is admitted only
+allow), otherwise decode every running request. While requests decode, new
+ones are admitted in groups (``scheduler.admit_free_share`` of the rows free,
+or room for everything waiting): a prefill step stops every decode, so one
+step per group beats one per finished request. A request is admitted only
 when pages for its whole reservation (prompt + max_new_tokens) are free, so
 the cache is never over-committed and nothing is ever preempted. Page ownership
 is the cache manager's; finishing is the output processor's (``runtime.output``).
@@ -15,6 +18,7 @@ what is computed, ``stats.cached_tokens`` what the cache served).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -47,6 +51,7 @@ class Scheduler:
         self.pages = CacheManager(num_pages, page_size, cache_type)
         self.debug_checks = debug_checks
         self.free_rows = list(range(cfg.max_running_requests - 1, -1, -1))
+        self.admit_group = max(1, math.ceil(cfg.admit_free_share * cfg.max_running_requests))
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []
         self.running: list[Req] = []
@@ -146,6 +151,8 @@ class Scheduler:
         sample 0 has not cached its prompt yet is passed over (it keeps its place in the queue)."""
         admitted: list[Req] = []
         passed: list[Req] = []
+        if not (chunks or self._group_ready()):
+            return admitted
         while self.waiting and budget > 0 and self.free_rows and not self.draining:
             req = self.waiting[0]
             if self._waits_for_leader(req):
@@ -162,6 +169,12 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(passed))
         return admitted
+
+    def _group_ready(self) -> bool:
+        """Whether new prompts may get a prefill step now: nothing decodes, a group's worth of rows is free,
+        or every waiting request fits (the last ones of a job never wait for a group)."""
+        free = len(self.free_rows)
+        return not self.running or free >= self.admit_group or free >= len(self.waiting)
 
     def _schedule_decode(self) -> Batch | None:
         reqs = [r for r in self.running if r.wants_decode]
