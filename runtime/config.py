@@ -46,8 +46,9 @@ class SchedulerSection:
     max_running_requests: int = 256
     max_prefill_tokens: int = 8192  # prefill tokens per step; longer prompts are chunked
     overlap: bool = True  # schedule step N+1 while the GPU runs step N
-    # While requests decode, new prompts wait until this share of max_running_requests rows is free (or all
-    # that wait fit): their prefill step stops every decode, so it is paid once per group, not per request.
+    # While requests decode, new prompts wait until this share of the rows (max_running_requests) and of the
+    # KV pages is free, or all that wait fit: their prefill step stops every decode, so it is paid once per
+    # group, not per request. 0 admits as soon as one request fits.
     admit_free_share: float = 0.0625
 
 

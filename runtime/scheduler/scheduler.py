@@ -3,9 +3,9 @@
 Policy: prefill first (continue chunked prompts, then admit waiting requests
 in arrival order while the step's token budget, free rows and free pages
 allow), otherwise decode every running request. While requests decode, new
-ones are admitted in groups (``scheduler.admit_free_share`` of the rows free,
-or room for everything waiting): a prefill step stops every decode, so one
-step per group beats one per finished request. A request is admitted only
+ones are admitted in groups (``scheduler.admit_free_share`` of the rows and of
+the pages free, or rows for everything waiting): a prefill step stops every
+decode, so one step per group beats one per finished request. A request is admitted only
 when pages for its whole reservation (prompt + max_new_tokens) are free, so
 the cache is never over-committed and nothing is ever preempted. Page ownership
 is the cache manager's; finishing is the output processor's (``runtime.output``).
@@ -51,7 +51,9 @@ class Scheduler:
         self.pages = CacheManager(num_pages, page_size, cache_type)
         self.debug_checks = debug_checks
         self.free_rows = list(range(cfg.max_running_requests - 1, -1, -1))
+        # A group: this many rows and pages free (pages bind when long reservations fill the cache first).
         self.admit_group = max(1, math.ceil(cfg.admit_free_share * cfg.max_running_requests))
+        self.admit_pages = math.ceil(cfg.admit_free_share * (num_pages - 1))
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []
         self.running: list[Req] = []
@@ -171,10 +173,15 @@ class Scheduler:
         return admitted
 
     def _group_ready(self) -> bool:
-        """Whether new prompts may get a prefill step now: nothing decodes, a group's worth of rows is free,
-        or every waiting request fits (the last ones of a job never wait for a group)."""
+        """Whether new prompts may get a prefill step now: nothing decodes, a group's worth of rows and pages
+        is free, or everything waiting fits (the last ones of a job never wait for a group)."""
+        if not self.running:
+            return True
         free = len(self.free_rows)
-        return not self.running or free >= self.admit_group or free >= len(self.waiting)
+        pages = self.allocator.num_free + self.cache.evictable_pages
+        if free >= len(self.waiting) and pages >= sum(map(self.pages.pages_for, self.waiting)):
+            return True
+        return free >= self.admit_group and pages >= self.admit_pages
 
     def _schedule_decode(self) -> Batch | None:
         reqs = [r for r in self.running if r.wants_decode]
