@@ -416,37 +416,6 @@ def test_new_requests_are_admitted_as_others_finish(overlap):
 
 
 @OVERLAP
-def test_while_others_decode_new_requests_are_admitted_in_groups(overlap):
-    """A prefill step stops every decode. With 8 rows and admit_free_share=0.5, requests that finish one by
-    one free their rows, and the waiting ones are admitted 4 or more at a time (the last ones as soon as
-    they all fit): fewer prefill steps than one admission per finished request, and the same outputs."""
-    specs = [Spec(uid, 3, 2 + (5 * uid) % 11) for uid in range(24)]
-    grouped = run_workload(specs, overlap=overlap, max_running=8, admit_free_share=0.5)
-    one_by_one = run_workload(specs, overlap=overlap, max_running=8, admit_free_share=0.0)
-    groups = [len(st.admitted) for st in grouped.steps if st.admitted]
-    assert groups[0] == 8
-    assert all(g >= 4 for g in groups[1:-1]), groups
-    assert sum(groups) == len(specs)
-    singles = [len(st.admitted) for st in one_by_one.steps if st.admitted]
-    assert min(singles[1:]) == 1 and len(groups) < len(singles), (groups, singles)
-    assert grouped.scheduler.stats.prefill_steps < one_by_one.scheduler.stats.prefill_steps
-
-
-@OVERLAP
-def test_when_pages_bind_new_requests_are_admitted_in_groups_of_pages(overlap):
-    """Rows to spare, pages short: each request reserves 3 of 24 pages, so 8 run at once. With
-    admit_free_share=0.25 a group is 6 free pages: admissions after the first come 2 or more at a time."""
-    specs = [Spec(uid, 6, 7, eos_at=2 + (3 * uid) % 5) for uid in range(20)]
-    pool = dict(overlap=overlap, max_running=16, num_pages=1 + 3 * 8, page_size=4)
-    grouped = run_workload(specs, admit_free_share=0.25, **pool)
-    one_by_one = run_workload(specs, admit_free_share=0.0, **pool)
-    groups = [len(st.admitted) for st in grouped.steps if st.admitted]
-    assert groups[0] == 8 and sum(groups) == len(specs)
-    assert all(g >= 2 for g in groups[1:-1]), groups
-    assert grouped.scheduler.stats.prefill_steps < one_by_one.scheduler.stats.prefill_steps
-
-
-@OVERLAP
 @pytest.mark.parametrize("num_pages", [4, 7])
 def test_requests_wait_for_pages_in_a_tiny_pool(overlap, num_pages):
     # 6 prompt + 7 new = 12 KV tokens = 3 pages of 4: the pool holds one (num_pages=4) or two at a time.

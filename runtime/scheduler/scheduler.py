@@ -21,12 +21,17 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 
 import numpy as np
 
 from runtime.batch import Batch, Req
 from runtime.config import SchedulerSection
 from runtime.scheduler.cache_manager import CacheManager
+
+# Decode steps new prompts wait for a group at most: bounds the wait behind a long request that holds the
+# pages, at one extra prefill stop per 64 steps.
+ADMIT_MAX_HOLD = 64
 
 
 @dataclass
@@ -54,6 +59,7 @@ class Scheduler:
         # A group: this many rows and pages free (pages bind when long reservations fill the cache first).
         self.admit_group = max(1, math.ceil(cfg.admit_free_share * cfg.max_running_requests))
         self.admit_pages = math.ceil(cfg.admit_free_share * (num_pages - 1))
+        self.held_steps = 0  # steps new prompts have waited for their group
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []
         self.running: list[Req] = []
@@ -174,14 +180,24 @@ class Scheduler:
 
     def _group_ready(self) -> bool:
         """Whether new prompts may get a prefill step now: nothing decodes, a group's worth of rows and pages
-        is free, or everything waiting fits (the last ones of a job never wait for a group)."""
-        if not self.running:
-            return True
+        is free, everything waiting fits (the last ones of a job never wait for a group), or the group has
+        gathered for ``ADMIT_MAX_HOLD`` steps (a long request holding most pages would otherwise keep the
+        ones that fit beside it waiting for its whole life)."""
         free = len(self.free_rows)
         pages = self.allocator.num_free + self.cache.evictable_pages
-        if free >= len(self.waiting) and pages >= sum(map(self.pages.pages_for, self.waiting)):
-            return True
-        return free >= self.admit_group and pages >= self.admit_pages
+        # A group's pages: admit_pages, or what the next admit_group requests need when that is less
+        # (requests that reserve little must not wait for pages a long one holds).
+        group_pages = min(self.admit_pages, sum(map(self.pages.pages_for, islice(self.waiting, self.admit_group))))
+        ready = (
+            not self.running
+            or (free >= len(self.waiting) and pages >= sum(map(self.pages.pages_for, self.waiting)))
+            or (free >= self.admit_group and pages >= group_pages)
+            or self.held_steps >= ADMIT_MAX_HOLD
+        )
+        if not ready and pages < group_pages:
+            self.stats.page_waits += 1  # pages hold the queue, not rows: LLM.run stops topping it up
+        self.held_steps = 0 if ready else self.held_steps + 1
+        return ready
 
     def _schedule_decode(self) -> Batch | None:
         reqs = [r for r in self.running if r.wants_decode]
