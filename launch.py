@@ -55,7 +55,7 @@ def run_leader(cfg: RuntimeConfig) -> int:
         llm = LLM(config=cfg)
         llm.drain = drain
         try:
-            return serve(cfg, llm, drain)
+            return serve_as_own_error(cfg, llm, drain)
         except BaseException:
             with contextlib.suppress(Exception):  # a dead peer must not mask the first error
                 llm.shutdown()
@@ -64,6 +64,17 @@ def run_leader(cfg: RuntimeConfig) -> int:
             llm.shutdown()
     finally:
         restore_default_signals()  # after the job a SIGTERM ends the process as usual
+
+
+def serve_as_own_error(cfg: RuntimeConfig, llm: LLM, drain: Drain) -> int:
+    """``serve``; a ValueError met while serving is this rank's own (say, replica 1's I/O), not a config
+    error every rank shares, so it becomes a RuntimeError that this rank reports itself."""
+    try:
+        return serve(cfg, llm, drain)
+    except ValueError as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc
 
 
 def serve(cfg: RuntimeConfig, llm: LLM, drain: Drain) -> int:
@@ -133,9 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.job.input and not Path(cfg.job.input).is_file():
         print(f"error: config key 'job.input'={cfg.job.input} does not exist", file=sys.stderr)
         return 2
-    if cfg.job.input and Path(cfg.job.input).resolve() == Path(cfg.job.output).resolve():
-        print(f"error: config keys 'job.input' and 'job.output' name the same file ({cfg.job.input})", file=sys.stderr)
-        return 2
+    if cfg.job.input:
+        from runtime.frontend.job_files import JobPaths
+
+        try:
+            JobPaths.from_config(cfg.job).check_distinct()
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
 
     from parallel.distributed import init_distributed, read_torchrun_env, shutdown_distributed
     from runtime.engine.engine import wants_cuda
@@ -150,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rank {rank}: interrupted (a second Ctrl-C); finished rows are on disk", file=sys.stderr, flush=True)
         exit_now(130)
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as exc:
-        # A configuration error (ValueError) is the same on every rank: rank 0 says it, once.
+        # A configuration error (ValueError while building) is the same on every rank: rank 0 says it, once.
         if rank == 0 or not isinstance(exc, ValueError):
             print(f"error on rank {rank}: {exc}", file=sys.stderr, flush=True)
         elif read_torchrun_env().world_size > 1:

@@ -165,7 +165,7 @@ def _validate(cfg: RuntimeConfig) -> None:
             raise ConfigError(f"config key '{key}'={value!r} must be one of {list(allowed)}")
     for key in _POSITIVE:
         value = OmegaConf.select(node, key)
-        if value <= 0:
+        if not value > 0:  # NaN too
             raise ConfigError(f"config key '{key}'={value} must be > 0")
     if not 0.0 <= cfg.scheduler.admit_free_share <= 1.0:
         raise ConfigError(f"config key 'scheduler.admit_free_share'={cfg.scheduler.admit_free_share} must be in [0, 1]")
@@ -175,7 +175,7 @@ def _validate(cfg: RuntimeConfig) -> None:
         raise ConfigError(f"config key 'engine.seed'={cfg.engine.seed} must be in [0, 2**31)")
     for key in _NON_NEGATIVE:  # 0 has a meaning for each: the formula, no wait, every row, no graphs
         value = OmegaConf.select(node, key)
-        if value < 0:
+        if not value >= 0:  # NaN too
             raise ConfigError(f"config key '{key}'={value} must be >= 0")
     if cfg.cache.num_pages == 1:
         raise ConfigError("config key 'cache.num_pages'=1 leaves no page for requests (page 0 is reserved); use >= 2")

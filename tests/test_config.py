@@ -127,6 +127,8 @@ def test_unknown_key_without_near_match_has_no_bogus_suggestion():
         ("cache.memory_ratio=1.5", "cache.memory_ratio"),
         ("cache.memory_ratio=0", "cache.memory_ratio"),
         ("scheduler.admit_free_share=1.5", "scheduler.admit_free_share"),
+        ("job.drain_timeout_s=nan", "job.drain_timeout_s"),
+        ("job.fsync_every_s=nan", "job.fsync_every_s"),
         ("scheduler.admit_free_share=-0.1", "scheduler.admit_free_share"),
         ("model.dtype=fp8", "model.dtype"),
         ("engine.device=tpu", "engine.device"),

@@ -7,11 +7,13 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from runtime import LLM
 from runtime.frontend.job import run_job
+from runtime.frontend.job_files import JobPaths
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,12 +63,19 @@ def test_bad_rows_become_error_rows_naming_their_line(tiny_llama_dir, tmp_path):
         json.dumps({"id": 1, **row}).encode(),
         json.dumps({"id": 1.0, **row}).encode(),  # the same id as 1
         json.dumps({"id": "long", "prompt": list(range(5, 100)), "sampling": {"max_new_tokens": 2}}).encode(),
+        b'{"id": "big", "prompt": [5], "x": ' + b"9" * 5000 + b"}",  # past Python's 4,300-digit int limit
+        b'{"id": "deep", "prompt": [5], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # past the recursion limit
+        json.dumps({"id": "msg-str", "messages": "What is the capital of France?"}).encode(),
+        json.dumps({"id": "msg-ids", "messages": [1, 2, 3]}).encode(),
+        b'{"id": "sur\\ud800", "prompt": [5, 6, 7], "sampling": {"max_new_tokens": 2}}',  # a lone surrogate
     ])
     m = run_job(_llm(tiny_llama_dir, tmp_path), "cfg")
     out, errors = _read(tmp_path / "out.jsonl"), _read(tmp_path / "out.errors.jsonl")
-    assert sorted(str(r["id"]) for r in out) == ["1", "a"] and m["completed"] == 2
+    assert sorted(str(r["id"]) for r in out) == ["1", "a", "sur\ud800"] and m["completed"] == 3
     by_line = {e["line"]: e["error"] for e in errors}
-    assert set(by_line) == {2, 3, 4, 5, 6, 8, 9} and m["errors"] == 7
+    assert set(by_line) == {2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13} and m["errors"] == 11
+    assert "cannot be read" in by_line[10] and "cannot be read" in by_line[11]
+    assert "'messages' must be a non-empty list" in by_line[12] and "'messages'" in by_line[13]
     assert "not valid UTF-8" in by_line[2] and ":2 " in by_line[2] and "0xe9" in by_line[2]
     assert by_line[3].startswith("TemplateError") and "alternate" in by_line[3]
     assert "empty" in by_line[4] and "'sampling' must be an object" in by_line[5]
@@ -104,7 +113,34 @@ def test_input_and_output_must_differ(tiny_llama_dir, tmp_path):
     proc = subprocess.run([sys.executable, "launch.py", f"model.path={tiny_llama_dir}", f"job.input={rows}",
                            f"job.output={rows}"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "same file" in proc.stderr and "Traceback" not in proc.stderr
+    metrics = subprocess.run([sys.executable, "launch.py", f"model.path={tiny_llama_dir}", f"job.input={rows}",
+                              f"job.output={tmp_path / 'o.jsonl'}", f"job.metrics={rows}"],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert metrics.returncode == 2 and "'job.input' and 'job.metrics' name the same file" in metrics.stderr
     llm = _llm(tiny_llama_dir, tmp_path, f"job.output={rows}")
-    with pytest.raises(ValueError, match="different files"):
+    with pytest.raises(ValueError, match="same file"):
         run_job(llm, "cfg")
     assert rows.read_text().count("\n") == 1  # the input was not touched
+
+
+def test_side_files_never_collide_and_the_metrics_folder_is_made(tmp_path):
+    def paths(output: Path, **keys: str) -> JobPaths:
+        return JobPaths.from_config(SimpleNamespace(input=str(tmp_path / "in.jsonl"), output=str(output),
+                                                    errors=keys.get("errors", ""), metrics=keys.get("metrics", "")))
+
+    a, b = paths(tmp_path / "shard.00"), paths(tmp_path / "shard.01")
+    assert {a.errors, a.metrics, a.config}.isdisjoint({b.errors, b.metrics, b.config})
+    assert paths(tmp_path / "out.jsonl").errors == tmp_path / "out.errors.jsonl"  # the documented name
+    with pytest.raises(ValueError, match="'job.output' and 'job.errors' name the same file"):
+        paths(tmp_path / "out.jsonl", errors=str(tmp_path / "out.jsonl")).check_distinct()
+
+
+def test_latency_is_from_claim_to_result(tiny_llama_dir, tmp_path):
+    """With one running slot rows are claimed a few at a time: a row's latency is its wait in this
+    replica's queue plus its own run, far below the job's wall time (not the time since the job began)."""
+    rows = [{"id": i, "prompt": [5, 6, 7 + i], "sampling": {"max_new_tokens": 2}} for i in range(30)]
+    _write(tmp_path / "rows.jsonl", [json.dumps(r).encode() for r in rows])
+    m = run_job(_llm(tiny_llama_dir, tmp_path, "scheduler.max_running_requests=1",
+                     f"job.metrics={tmp_path / 'new' / 'dir' / 'm.json'}"), "cfg")
+    assert m["completed"] == 30 and (tmp_path / "new" / "dir" / "m.json").is_file()
+    assert m["latency_s"]["p50"] < m["wall_s"] / 3, m

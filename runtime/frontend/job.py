@@ -49,8 +49,7 @@ def run_job(llm: Any, config_yaml: str) -> dict[str, Any]:
     paths = JobPaths.from_config(job)
     if not paths.input.is_file():
         raise FileNotFoundError(f"job.input={paths.input} does not exist")
-    if len({paths.input.resolve(), paths.output.resolve(), paths.errors.resolve()}) < 3:
-        raise ValueError(f"job.input, job.output and job.errors must be three different files ({paths.input})")
+    paths.check_distinct()
     start = time.perf_counter()
     replicas = Replicas(llm.keep_workers_waiting, llm.drain, job.drain_timeout_s)
     if replicas.first:
@@ -75,6 +74,7 @@ def run_job(llm: Any, config_yaml: str) -> dict[str, Any]:
         merge_parts(paths.errors, results=False)
     metrics = summarize(reports, len(rows), len(todo), time.perf_counter() - start, config_yaml)
     if replicas.first:
+        paths.metrics.parent.mkdir(parents=True, exist_ok=True)
         paths.metrics.write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
 
@@ -108,7 +108,8 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: list[JobRow]) -> 
     outputs = JsonlAppender(part_path(paths.output, replicas.index), job.fsync_every_s)
     errors = JsonlAppender(part_path(paths.errors, replicas.index), job.fsync_every_s, mode="w")
     counts = {"rows": 0, "errors": 0, "input_tokens": 0, "output_tokens": 0}
-    latencies: list[float] = []
+    latencies: list[float] = []  # claim to result, per row
+    claimed_at: dict[int, float] = {}
     start = time.perf_counter()
     bar = _progress(len(todo) if replicas.count == 1 else None, job.progress and replicas.first)
 
@@ -125,7 +126,7 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: list[JobRow]) -> 
         counts["rows"] += 1
         counts["input_tokens"] += output.prompt_tokens
         counts["output_tokens"] += output.total_completion_tokens
-        latencies.append(round(time.perf_counter() - start, 4))
+        latencies.append(round(time.perf_counter() - claimed_at.pop(row.line), 4))
         bar.update(1)
         bar.set_postfix(tok_s=f"{counts['output_tokens'] / max(time.perf_counter() - start, 1e-9):.0f}")
 
@@ -138,6 +139,7 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: list[JobRow]) -> 
             if row.error is not None:
                 record_error(row, row.error)
             else:
+                claimed_at[row.line] = time.perf_counter()
                 items.append((row, row.prompt, row.sampling))
         return items
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from runtime.config import ConfigError
 from runtime.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -49,10 +50,26 @@ class JobPaths:
         out = Path(job.output)
         return cls(
             input=Path(job.input), output=out,
-            errors=Path(job.errors) if job.errors else out.with_suffix(".errors.jsonl"),
-            metrics=Path(job.metrics) if job.metrics else out.with_suffix(".metrics.json"),
-            config=out.with_suffix(".config.yaml"),
+            errors=Path(job.errors) if job.errors else _beside(out, ".errors.jsonl"),
+            metrics=Path(job.metrics) if job.metrics else _beside(out, ".metrics.json"),
+            config=_beside(out, ".config.yaml"),
         )
+
+    def check_distinct(self) -> None:
+        """Five different files: a metrics or errors file on top of the input or the output destroys it."""
+        named = {"job.input": self.input, "job.output": self.output, "job.errors": self.errors,
+                 "job.metrics": self.metrics, "the config copy": self.config}
+        seen: dict[Path, str] = {}
+        for key, path in named.items():
+            other = seen.setdefault(path.resolve(), key)
+            if other != key:
+                raise ConfigError(f"config keys '{other}' and '{key}' name the same file ({path})")
+
+
+def _beside(out: Path, suffix: str) -> Path:
+    """A side file of the output: ``out.jsonl`` -> ``out<suffix>``; other names keep their whole name
+    (``shard.00`` -> ``shard.00<suffix>``), so outputs that differ in a last suffix never share one."""
+    return out.with_suffix(suffix) if out.suffix in (".jsonl", ".json") else out.with_name(out.name + suffix)
 
 
 def read_rows(path: Path, defaults: SamplingParams, chat_template: bool) -> Iterator[JobRow]:
@@ -84,6 +101,8 @@ def _parse_row(line: str, line_no: int, defaults: SamplingParams, chat_template:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
         return JobRow(line_no, None, error=f"line {line_no} is not valid JSON: {exc.msg} at column {exc.colno}")
+    except (ValueError, RecursionError) as exc:  # an integer over 4,300 digits, nesting deeper than the stack
+        return JobRow(line_no, None, error=f"line {line_no} cannot be read: {str(exc).splitlines()[0][:200]}")
     if not isinstance(row, dict):
         return JobRow(line_no, None, error=f"line {line_no} must be a JSON object")
     row_id = normalize_id(row.get("id"))
@@ -95,6 +114,10 @@ def _parse_row(line: str, line_no: int, defaults: SamplingParams, chat_template:
     seen.add(key)
     if ("prompt" in row) == ("messages" in row):
         return JobRow(line_no, row_id, error=f"line {line_no}: a row needs exactly one of 'prompt' or 'messages'")
+    if "messages" in row and not (
+        isinstance(row["messages"], list) and row["messages"] and all(isinstance(m, dict) for m in row["messages"])
+    ):
+        return JobRow(line_no, row_id, error=f"line {line_no}: 'messages' must be a non-empty list of message objects")
     prompt = row.get("prompt", row.get("messages"))
     if isinstance(prompt, str) and not prompt.strip():
         return JobRow(line_no, row_id, error=f"line {line_no}: the prompt is empty")
@@ -194,7 +217,12 @@ class JsonlAppender:
         self.last_sync = time.monotonic()
 
     def write(self, row: dict[str, Any]) -> None:
-        self.file.write(json.dumps(row, ensure_ascii=False) + "\n")
+        line = json.dumps(row, ensure_ascii=False)
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (valid JSON, e.g. in an id): escaped, it reads back the same
+            line = json.dumps(row)
+        self.file.write(line + "\n")
         self.file.flush()
         if time.monotonic() - self.last_sync >= self.fsync_every_s:
             os.fsync(self.file.fileno())
