@@ -212,17 +212,16 @@ class JsonlAppender:
 
     def __init__(self, path: Path, fsync_every_s: float, mode: str = "a") -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(path, mode, encoding="utf-8")
+        self.file = open(path, mode + "b")  # bytes: each line is encoded once, in write()
         self.fsync_every_s = fsync_every_s
         self.last_sync = time.monotonic()
 
     def write(self, row: dict[str, Any]) -> None:
-        line = json.dumps(row, ensure_ascii=False)
         try:
-            line.encode("utf-8")
+            line = json.dumps(row, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate (valid JSON, e.g. in an id): escaped, it reads back the same
-            line = json.dumps(row)
-        self.file.write(line + "\n")
+            line = json.dumps(row).encode("ascii")
+        self.file.write(line + b"\n")
         self.file.flush()
         if time.monotonic() - self.last_sync >= self.fsync_every_s:
             os.fsync(self.file.fileno())

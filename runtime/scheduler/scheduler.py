@@ -159,7 +159,7 @@ class Scheduler:
         sample 0 has not cached its prompt yet is passed over (it keeps its place in the queue)."""
         admitted: list[Req] = []
         passed: list[Req] = []
-        if not (chunks or self._group_ready()):
+        if not self.waiting or self.draining or not (chunks or self._group_ready()):
             return admitted
         while self.waiting and budget > 0 and self.free_rows and not self.draining:
             req = self.waiting[0]
