@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models import ops
+from models import gemv, ops
 from models.config import ModelConfig
 from models.context import get_ctx
 from models.layers import (
@@ -42,9 +42,12 @@ class LlamaAttention(nn.Module):
         self.qk_norm = cfg.qk_norm
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.attend(self.qkv_proj(x), cos_sin))
+
+    def attend(self, qkv: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """Attention over the fused q/k/v projection ``qkv``: ``[tokens, heads * head_dim]``, before o_proj."""
         ctx = get_ctx()
         d = self.head_dim
-        qkv = self.qkv_proj(x)
         # Views into qkv, no copies: K and V stay side by side ([tokens, 2, kv_heads, d]) so the cache
         # stores both in one kernel, and the attention kernels read q through its strides.
         q = qkv[:, : self.num_heads * d].view(-1, self.num_heads, d)
@@ -54,7 +57,7 @@ class LlamaAttention(nn.Module):
             kv[:, 0] = self.k_norm(kv[:, 0].reshape(-1, d))[0].view(-1, self.num_kv_heads, d)
         # The backend rotates q and k (RoPE) as it writes the cache: one kernel on GPU.
         out = ctx.attn_backend.forward(q, kv, self.layer_id, cos_sin)
-        return self.o_proj(out.reshape(-1, self.num_heads * d))
+        return out.reshape(-1, self.num_heads * d)
 
 
 class LlamaMLP(nn.Module):
@@ -85,6 +88,17 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
+    def forward_fused(self, h: torch.Tensor, cos_sin: torch.Tensor) -> None:
+        """The same layer for a few tokens in four fused GEMVs (models/gemv.py); ``h`` is the residual
+        stream, updated in place (TP=1: the row-parallel outputs need no all-reduce)."""
+        attn, mlp = self.self_attn, self.mlp
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        qkv = gemv.norm_linear(h, norm1.weight, norm1.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        gemv.linear_add_(attn.attend(qkv, cos_sin), attn.o_proj.weight, attn.o_proj.bias, h)
+        up = mlp.gate_up_proj
+        act = gemv.norm_linear_silu(h, norm2.weight, norm2.eps, up.weight, up.bias)
+        gemv.linear_add_(act, mlp.down_proj.weight, mlp.down_proj.bias, h)
+
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: Kernels) -> None:
@@ -92,9 +106,14 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, kernels) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.fused_max_tokens = kernels.fused_gemv_max_tokens
 
     def forward(self, input_ids: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if input_ids.shape[0] <= self.fused_max_tokens:  # decided once per shape, so once per captured graph
+            for layer in self.layers:
+                layer.forward_fused(x, cos_sin)
+            return self.norm(x)[0]
         residual: torch.Tensor | None = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos_sin)

@@ -1,116 +1,149 @@
-"""Micro-benchmark: a Triton GEMV for decode at 1-4 rows against cuBLAS (``torch.mm``), inside CUDA graphs.
+"""Micro-benchmark: a decoder layer's weight passes at 1-4 rows, unfused against fused, in CUDA graphs.
 
-    python scripts/bench_gemv.py [--rows 1,2,4]
+    python scripts/bench_gemv.py [--shapes 1B,8B,SmolLM2] [--rows 1,2,4] [--sweep]
 
-Each shape's weight is copied until the copies pass 400 MB and every call reads the next copy, so L2
-(50 MB on the H200) never serves a weight. Per shape and row count the best of a small tile sweep is
-printed next to cuBLAS (microseconds per call and GB/s of weight read). Results and the decision are in
-benchmarks/README.md ("Second session on issue 13"): the engine keeps cuBLAS.
+Unfused is what the engine ran before models/gemv.py: flashinfer's fused add + RMSNorm, cuBLAS for
+qkv, o, gate_up and down, flashinfer's SiLU x mul. Fused is models/gemv.py's four kernels, with
+programmatic dependent launch and without. A layer's attention is left out (its input is a fixed
+tensor), so the numbers are the weight passes and what sits between them. Each shape is stacked into
+enough layers that the weights pass 1 GB, so L2 (50 MB) never serves them; one graph replays the whole
+stack. Reported: microseconds per layer and the weight bytes over that time. ``--sweep`` times each
+fused kernel alone over a grid of tiles (the default tile of ``models.gemv.tile`` is marked).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
-SHAPES = {  # name: (out features N, in features K)
-    "1B qkv": (3072, 2048), "1B o": (2048, 2048), "1B gate_up": (16384, 2048), "1B down": (2048, 8192),
-    "8B down": (4096, 14336),
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models import gemv  # noqa: E402
+
+SHAPES = {  # hidden, q + k + v features, intermediate
+    "1B": (2048, 3072, 8192), "8B": (4096, 6144, 14336), "SmolLM2": (576, 960, 1536),
 }
 
 
-@triton.jit
-def _gemv_fma(x_ptr, w_ptr, y_ptr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One row: BLOCK_N output features per program, float32 FMAs over K, one reduction at the end."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + (k0 + cols)[None, :])
-        acc += w.to(tl.float32) * tl.load(x_ptr + k0 + cols).to(tl.float32)[None, :]
-    tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _gemv_dot(x_ptr, w_ptr, y_ptr, M, N, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Up to 16 rows through tensor cores (rows past M masked to zero)."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ms = tl.arange(0, 16)
-    cols = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        w = tl.load(w_ptr + rows[None, :].to(tl.int64) * K + (k0 + cols)[:, None])
-        x = tl.load(x_ptr + ms[:, None] * K + (k0 + cols)[None, :], mask=ms[:, None] < M, other=0.0)
-        acc = tl.dot(x, w, acc)
-    tl.store(y_ptr + ms[:, None] * N + rows[None, :], acc.to(y_ptr.dtype.element_ty), mask=ms[:, None] < M)
-
-
-def us_per_call(fn: Callable[[torch.Tensor], None], weights: list[torch.Tensor]) -> float:
-    """One call per weight copy inside one CUDA graph, replayed 10 times."""
-    fn(weights[0])
+def replay_us(fn: Callable[[], None], repeats: int = 20) -> float:
+    """Microseconds per call of ``fn`` (one whole stack) captured in a CUDA graph."""
+    fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for w in weights:
-            fn(w)
+        fn()
     graph.replay()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for _ in range(10):
+    for _ in range(repeats):
         graph.replay()
     torch.cuda.synchronize()
-    return (time.perf_counter() - start) / 10 / len(weights) * 1e6
+    return (time.perf_counter() - start) / repeats * 1e6
 
 
-def configs(m: int) -> list[tuple]:
-    fma = [("fma", *c) for c in itertools.product([8, 16], [256, 512], [4, 8], [2, 4])] if m == 1 else []
-    return fma + [("dot", *c) for c in itertools.product([16, 32], [128, 256], [4], [3, 4, 6])]
+def make_layers(hidden: int, qkv: int, inter: int) -> list[dict[str, torch.Tensor]]:
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    per_layer = 2 * hidden * (qkv + hidden + 3 * inter)
+    count = max(4, min(64, int(1e9 // per_layer) + 1))
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=dev, dtype=dt) * 0.02
+
+    return [{"qkv": rand(qkv, hidden), "o": rand(hidden, hidden), "gate_up": rand(2 * inter, hidden),
+             "down": rand(hidden, inter), "n1": torch.rand(hidden, device=dev, dtype=dt) + 0.5,
+             "n2": torch.rand(hidden, device=dev, dtype=dt) + 0.5} for _ in range(count)]
 
 
-def best_triton(x: torch.Tensor, y: torch.Tensor, weights: list[torch.Tensor], ref: torch.Tensor) -> tuple[float, tuple]:
-    (m, k), n = x.shape, weights[0].shape[0]
-    best: tuple[float, tuple] = (float("inf"), ())
-    for kind, bn, bk, warps, stages in configs(m):
-        if n % bn or k % bk:
-            continue
-        opts = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-        if kind == "fma":
-            def fn(w: torch.Tensor, opts: dict = opts) -> None:
-                _gemv_fma[(n // opts["BLOCK_N"],)](x, w, y, k, **opts)
-        else:
-            def fn(w: torch.Tensor, opts: dict = opts) -> None:
-                _gemv_dot[(n // opts["BLOCK_N"],)](x, w, y, m, n, k, **opts)
-        fn(weights[0])
-        if (y.double() - ref).abs().max().item() > 0.05:  # a wrong tile config is reported, not timed
-            print(f"  wrong result: {kind} {bn} {bk} {warps} {stages}")
-            continue
-        best = min(best, (us_per_call(fn, weights), (kind, bn, bk, warps, stages)))
-    return best
+def unfused_stack(layers: list[dict], h: torch.Tensor, attn: torch.Tensor) -> Callable[[], None]:
+    import flashinfer
+
+    def run() -> None:
+        x, resid = h.clone(), torch.zeros_like(h)
+        for w in layers:
+            flashinfer.norm.fused_add_rmsnorm(x, resid, w["n1"], 1e-5)
+            torch.mm(x, w["qkv"].t())
+            x = torch.mm(attn, w["o"].t())
+            flashinfer.norm.fused_add_rmsnorm(x, resid, w["n2"], 1e-5)
+            x = torch.mm(flashinfer.activation.silu_and_mul(torch.mm(x, w["gate_up"].t())), w["down"].t())
+
+    return run
+
+
+def fused_stack(layers: list[dict], h: torch.Tensor, attn: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        x = h.clone()
+        for w in layers:
+            gemv.norm_linear(x, w["n1"], 1e-5, w["qkv"], None)
+            gemv.linear_add_(attn, w["o"], None, x)
+            gemv.linear_add_(gemv.norm_linear_silu(x, w["n2"], 1e-5, w["gate_up"], None), w["down"], None, x)
+
+    return run
+
+
+def sweep(layers: list[dict], rows: int, hidden: int, qkv: int, inter: int) -> None:
+    """Each fused kernel alone over the stack, per tile; the default tile marked with '*'."""
+    h = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    act = torch.randn(rows, inter, device="cuda", dtype=torch.bfloat16)
+    kernels = {
+        "qkv": (qkv, hidden, lambda w: gemv.norm_linear(h, w["n1"], 1e-5, w["qkv"], None)),
+        "o": (hidden, hidden, lambda w: gemv.linear_add_(h[:, :hidden], w["o"], None, h)),
+        "gate_up": (inter, hidden, lambda w: gemv.norm_linear_silu(h, w["n2"], 1e-5, w["gate_up"], None)),
+        "down": (hidden, inter, lambda w: gemv.linear_add_(act, w["down"], None, h)),
+    }
+    default_tile = gemv.tile
+    for name, (n, k, call) in kernels.items():
+        mb = 2 * n * k * (2 if name == "gate_up" else 1) / 1e3
+        results = []
+        for bn, bk, warps in itertools.product([2, 4, 8, 16], [256, 512], [4]):
+            if bn * bk * triton_p2(rows) > 8192:
+                continue
+            gemv.tile = lambda n_, k_, r_, t=(bn, bk, warps): t
+            us = replay_us(lambda call=call: [call(w) for w in layers]) / len(layers)
+            results.append((us, (bn, bk, warps)))
+        gemv.tile = default_tile
+        best = min(results)
+        default = default_tile(n, k, rows)
+        default_us = next(us for us, t in results if t == default) if any(t == default for _, t in results) else None
+        print(f"  sweep {name:8} M={rows}: best {best[0]:6.2f} us {mb / best[0]:5.0f} GB/s tile {best[1]} | "
+              f"default {default} {default_us if default_us is None else round(default_us, 2)} us", flush=True)
+
+
+def triton_p2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default="1")
+    parser.add_argument("--shapes", default="1B,8B,SmolLM2")
+    parser.add_argument("--rows", default="1,2,4")
+    parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
-    dev = torch.device("cuda")
-    for name, (n, k) in SHAPES.items():
-        weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-                   for _ in range(max(2, int(400e6 // (n * k * 2))))]
-        for m in map(int, args.rows.split(",")):
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            y = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
-            ref = torch.nn.functional.linear(x.double(), weights[0].double())
-            cublas = us_per_call(lambda w, x=x, y=y: torch.mm(x, w.t(), out=y), weights)
-            triton_us, tile = best_triton(x, y, weights, ref)
-            mb = n * k * 2 / 1e3  # weight kilobytes: kB / us = GB/s
-            print(f"{name:12} M={m} N={n} K={k}: cuBLAS {cublas:6.2f} us {mb / cublas:5.0f} GB/s | "
-                  f"Triton {triton_us:6.2f} us {mb / triton_us:5.0f} GB/s {tile}", flush=True)
+    for shape in args.shapes.split(","):
+        hidden, qkv, inter = SHAPES[shape]
+        layers = make_layers(hidden, qkv, inter)
+        layer_kb = 2 * hidden * (qkv + hidden + 3 * inter) / 1e3
+        for rows in map(int, args.rows.split(",")):
+            h = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+            attn = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+            unfused = replay_us(unfused_stack(layers, h, attn)) / len(layers)
+            fused = replay_us(fused_stack(layers, h, attn)) / len(layers)
+            use_pdl = gemv._use_pdl
+            gemv._use_pdl = lambda index: False
+            no_pdl = replay_us(fused_stack(layers, h, attn)) / len(layers)
+            gemv._use_pdl = use_pdl
+            print(f"{shape:8} M={rows}: unfused {unfused:7.2f} us/layer {layer_kb / unfused:5.0f} GB/s | fused "
+                  f"{fused:7.2f} us {layer_kb / fused:5.0f} GB/s ({unfused / fused:.2f}x) | fused, no PDL "
+                  f"{no_pdl:7.2f} us ({unfused / no_pdl:.2f}x)  [{len(layers)} layers]", flush=True)
+            if args.sweep and rows in (1, 4):
+                sweep(layers, rows, hidden, qkv, inter)
+        del layers
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -82,6 +82,30 @@ def test_flashinfer_bf16_logits_against_hf_float32(fi_engine):
         assert relative_error(ours_prefill[i], ours_torch[i]) <= budget
 
 
+def test_fused_gemv_decode_against_hf_float32_and_the_unfused_layers(fi_engine):
+    """Decode steps of 1-4 rows run the fused GEMV layers (models/gemv.py), in graphs and eagerly; their
+    logits stay within the bf16 budget of HF float32 and of the unfused layers (fused_gemv_max_tokens=0)."""
+    assert fi_engine.model.model.fused_max_tokens == 4
+    unfused = engine(LLAMA_1B, "engine.cuda_graph_max_bs=4", "engine.fused_gemv_max_tokens=0")
+    assert unfused.model.model.fused_max_tokens == 0
+    gen = torch.Generator().manual_seed(3)
+    ref32_model = hf_model(fi_engine, LLAMA_1B, torch.float32)
+    hf16_model = hf_model(fi_engine, LLAMA_1B, torch.bfloat16)
+    for rows in (1, 2, 4):
+        prompts = [torch.randint(0, 10000, (int(n),), generator=gen).tolist() for n in torch.randint(20, 300, (rows,))]
+        ref32, hf16 = _hf_logits(ref32_model, prompts), _hf_logits(hf16_model, prompts)
+        graph = prefill_logits(fi_engine, prompts, decode_tail=12, use_graph=True)
+        eager = prefill_logits(fi_engine, prompts, decode_tail=12)
+        plain = prefill_logits(unfused, prompts, decode_tail=12, use_graph=True)
+        for i, ref in enumerate(ref32):
+            tail = slice(-12, None)  # the decode steps
+            budget = 2 * relative_error(hf16[i][tail], ref[tail]) + 2e-3
+            errors = [relative_error(x[i][tail], ref[tail]) for x in (graph, eager, plain)]
+            print(f"{rows} rows: hf bf16 {budget:.2e} budget; fused graph/eager, unfused: {errors}")
+            assert max(errors) <= budget
+            assert relative_error(graph[i][tail], plain[i][tail]) <= budget
+
+
 def test_graph_replay_matches_eager_for_every_size(fi_engine):
     """Decode logits from each captured graph (and padded sizes) equal the eager decode logits.
 

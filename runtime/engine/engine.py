@@ -10,14 +10,15 @@ stream and only the consumer waits for it (ARCHITECTURE.md, "One step").
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import resource
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from models import gemv
 from models.config import ModelConfig
 from models.context import ForwardContext
 from models.ops import FLASHINFER_KERNELS, TORCH_KERNELS
@@ -37,7 +38,7 @@ from runtime.utils import concat_ranges, host_to_device
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclasses.dataclass
 class ForwardOutput:
     next_tokens_gpu: torch.Tensor
     next_tokens_cpu: torch.Tensor
@@ -79,11 +80,13 @@ class Engine:
         use_fi = on_gpu if cfg.engine.kernels == "auto" else cfg.engine.kernels == "flashinfer"
         if use_fi and not on_gpu:
             raise ValueError("engine.kernels=flashinfer needs a CUDA device")
+        kernels = FLASHINFER_KERNELS if use_fi else TORCH_KERNELS
+        if use_fi and self.tp_size == 1 and gemv.supported(self.device):
+            kernels = dataclasses.replace(kernels, fused_gemv_max_tokens=cfg.engine.fused_gemv_max_tokens)
         free_before = self._free_memory()
         self.model = load_model(
             model_dir, model_config, self.device, self.dtype, self.max_seq_len + 1,
-            random_seed=cfg.engine.seed if cfg.model.random_weights else None,
-            kernels=FLASHINFER_KERNELS if use_fi else TORCH_KERNELS,
+            random_seed=cfg.engine.seed if cfg.model.random_weights else None, kernels=kernels,
         )
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         log.info(

@@ -1,0 +1,100 @@
+"""The fused small-batch GEMV path (models/gemv.py): the Triton kernels against float64, and the decoder
+layers that use them against HF transformers, on CPU through Triton's interpreter (conftest sets
+TRITON_INTERPRET=1 where there is no GPU; tests/test_gpu_kernels.py runs the same kernels compiled)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import gemv
+from tests.helpers import make_engine, prefill_logits, relative_error
+from tests.test_model_families import _families, _hf, _save_random
+
+
+def _rms(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = h.double()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+
+
+def _rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours.double() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(96, 64), (40, 200), (300, 136)])
+def test_kernels_match_float64(rows, n, k):
+    """Odd sizes (masked tails in N and K), every row count, with and without bias."""
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    h = torch.randn(rows, k, generator=gen)
+    norm_w = torch.rand(k, generator=gen) + 0.5
+    w = torch.randn(2 * n, k, generator=gen) * 0.1
+    bias = torch.randn(2 * n, generator=gen)
+    normed = _rms(h, norm_w, 1e-5)
+
+    ref = normed @ w[:n].double().T + bias[:n].double()
+    assert _rel(gemv.norm_linear(h, norm_w, 1e-5, w[:n], bias[:n]), ref) < 1e-6
+    assert _rel(gemv.norm_linear(h, norm_w, 1e-5, w[:n], None), normed @ w[:n].double().T) < 1e-6
+
+    gate_up = normed @ w.double().T + bias.double()
+    ref = torch.nn.functional.silu(gate_up[:, :n]) * gate_up[:, n:]
+    assert _rel(gemv.norm_linear_silu(h, norm_w, 1e-5, w, bias), ref) < 1e-6
+
+    x, resid = torch.randn(rows, k, generator=gen), torch.randn(rows, n, generator=gen)
+    ref = resid.double() + x.double() @ w[:n].double().T + bias[:n].double()
+    gemv.linear_add_(x, w[:n], bias[:n], resid)
+    assert _rel(resid, ref) < 1e-6
+
+
+def test_more_rows_than_the_kernels_take_is_refused():
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        gemv.norm_linear(torch.randn(5, 64), torch.ones(64), 1e-5, torch.randn(32, 64), None)
+
+
+def _fused_engine(model_dir, monkeypatch):  # noqa: ANN001, ANN202
+    """A CPU engine whose model takes the fused path for steps of up to 4 tokens (the GPU engine's rule),
+    counting the fused layer calls so the test knows the path ran."""
+    engine = make_engine(model_dir)
+    engine.model.model.fused_max_tokens = 4
+    calls = {"n": 0}
+    inner = gemv.norm_linear_silu
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls["n"] += 1
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(gemv, "norm_linear_silu", counted)
+    return engine, calls
+
+
+def test_fused_layers_match_hf_llama_with_bias(tmp_path, monkeypatch):
+    """attention_bias puts a bias on q/k/v and on o_proj; 3 prompts fed one token per step (3-token steps,
+    all fused), then decode steps; every position's logits against HF float32."""
+    from tests.conftest import make_tiny_llama
+    from tests.test_model_vs_hf import hf_logits
+
+    model_dir = make_tiny_llama(tmp_path, bias=True, seed=5)
+    prompts = [[3, 1, 4, 1, 5, 9, 2], [2, 7, 1, 8, 2, 8], [1, 6, 1, 8, 0]]
+    ref = hf_logits(model_dir, prompts)
+    engine, calls = _fused_engine(model_dir, monkeypatch)
+    ours = prefill_logits(engine, prompts, chunk=1, decode_tail=2)
+    assert calls["n"] == 7 * 3  # 7 steps of at most 3 tokens, 3 layers each
+    for o, r in zip(ours, ref):
+        assert relative_error(o, r) <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_fused_layers_match_hf_qwen(family, tmp_path, monkeypatch):
+    """Qwen2's q/k/v bias and Qwen3's per-head q/k norm on the fused path; a 9-token chunk takes the
+    ordinary path in the same run."""
+    cls, cfg = _families()[family]
+    path = _save_random(cls, cfg, tmp_path)
+    prompts = [[5, 8, 13, 21, 34, 55, 89, 144, 233, 17, 6], [9, 9, 2]]
+    model = _hf(path)
+    with torch.no_grad():
+        ref = [model(torch.tensor([p])).logits[0] for p in prompts]
+    engine, calls = _fused_engine(path, monkeypatch)
+    ours = prefill_logits(engine, prompts, chunk=9, decode_tail=2)
+    assert calls["n"] == 2 * 2  # the two 2-token decode steps, 2 layers each; the 10-token chunk is unfused
+    for o, r in zip(ours, ref):
+        assert relative_error(o, r) <= 1e-5
