@@ -58,9 +58,9 @@ class EngineSection:
     attention_backend: str = "auto"  # auto | torch | flashinfer
     kernels: str = "auto"  # auto | torch | flashinfer: norms, RoPE, activation, sampling
     cuda_graph_max_bs: int = 256  # largest decode batch replayed from a CUDA graph; 0 disables graphs
-    # Steps of at most this many tokens (1-4) run each layer as four fused GEMVs (GPU with Triton, TP=1,
-    # flashinfer kernels); 0 turns the fused path off.
-    fused_gemv_max_tokens: int = 4
+    # auto | on | off: single-token steps run each layer as four fused GEMVs (GPU with Triton, TP=1,
+    # flashinfer kernels); auto where measured faster (hidden size <= 2048: models/gemv.py).
+    fused_gemv: str = "auto"
     seed: int = 0
 
 
@@ -131,6 +131,7 @@ _CHOICES = {
     "cache.type": ("radix", "naive"),
     "engine.attention_backend": ("auto", "torch", "flashinfer"),
     "engine.kernels": ("auto", "torch", "flashinfer"),
+    "engine.fused_gemv": ("auto", "on", "off"),
     "parallel.all_reduce": ("auto", "nccl", "symm_mem"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
@@ -174,8 +175,6 @@ def _validate(cfg: RuntimeConfig) -> None:
         raise ConfigError(f"config key 'scheduler.admit_free_share'={cfg.scheduler.admit_free_share} must be in [0, 1]")
     if not 0.0 < cfg.cache.memory_ratio <= 1.0:
         raise ConfigError(f"config key 'cache.memory_ratio'={cfg.cache.memory_ratio} must be in (0, 1]")
-    if not 0 <= cfg.engine.fused_gemv_max_tokens <= 4:
-        raise ConfigError(f"config key 'engine.fused_gemv_max_tokens'={cfg.engine.fused_gemv_max_tokens} must be in [0, 4]")
     if not 0 <= cfg.engine.seed < 2**31:
         raise ConfigError(f"config key 'engine.seed'={cfg.engine.seed} must be in [0, 2**31)")
     for key in _NON_NEGATIVE:  # 0 has a meaning for each: the formula, no wait, every row, no graphs

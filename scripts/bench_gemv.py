@@ -1,6 +1,6 @@
-"""Micro-benchmark: a decoder layer's weight passes at 1-4 rows, unfused against fused, in CUDA graphs.
+"""Micro-benchmark: a decoder layer's weight passes for one token, unfused against fused, in CUDA graphs.
 
-    python scripts/bench_gemv.py [--shapes 1B,8B,SmolLM2] [--rows 1,2,4] [--sweep]
+    python scripts/bench_gemv.py [--shapes 1B,8B,SmolLM2] [--sweep]
 
 Unfused is what the engine ran before models/gemv.py: flashinfer's fused add + RMSNorm, cuBLAS for
 qkv, o, gate_up and down, flashinfer's SiLU x mul. Fused is models/gemv.py's four kernels, with
@@ -86,10 +86,10 @@ def fused_stack(layers: list[dict], h: torch.Tensor, attn: torch.Tensor) -> Call
     return run
 
 
-def sweep(layers: list[dict], rows: int, hidden: int, qkv: int, inter: int) -> None:
-    """Each fused kernel alone over the stack, per tile; the default tile marked with '*'."""
-    h = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
-    act = torch.randn(rows, inter, device="cuda", dtype=torch.bfloat16)
+def sweep(layers: list[dict], hidden: int, qkv: int, inter: int) -> None:
+    """Each fused kernel alone over the stack, per tile, against the default tile."""
+    h = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+    act = torch.randn(1, inter, device="cuda", dtype=torch.bfloat16)
     kernels = {
         "qkv": (qkv, hidden, lambda w: gemv.norm_linear(h, w["n1"], 1e-5, w["qkv"], None)),
         "o": (hidden, hidden, lambda w: gemv.linear_add_(h[:, :hidden], w["o"], None, h)),
@@ -100,48 +100,40 @@ def sweep(layers: list[dict], rows: int, hidden: int, qkv: int, inter: int) -> N
     for name, (n, k, call) in kernels.items():
         mb = 2 * n * k * (2 if name == "gate_up" else 1) / 1e3
         results = []
-        for bn, bk, warps in itertools.product([2, 4, 8, 16], [256, 512], [4]):
-            if bn * bk * triton_p2(rows) > 8192:
-                continue
-            gemv.tile = lambda n_, k_, r_, t=(bn, bk, warps): t
+        default = default_tile(n, k, name == "gate_up")
+        for config in [default, *itertools.product([4, 8, 16], [256, 512], [4, 8], [2, 4])]:
+            gemv.tile = lambda n_, k_, silu_, t=config: t
             us = replay_us(lambda call=call: [call(w) for w in layers]) / len(layers)
-            results.append((us, (bn, bk, warps)))
+            results.append((us, config))
         gemv.tile = default_tile
         best = min(results)
-        default = default_tile(n, k, rows)
-        default_us = next(us for us, t in results if t == default) if any(t == default for _, t in results) else None
-        print(f"  sweep {name:8} M={rows}: best {best[0]:6.2f} us {mb / best[0]:5.0f} GB/s tile {best[1]} | "
-              f"default {default} {default_us if default_us is None else round(default_us, 2)} us", flush=True)
-
-
-def triton_p2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+        top = ", ".join(f"{t} {us:.2f}" for us, t in sorted(results)[1:4])
+        print(f"  sweep {name:8}: best {best[0]:6.2f} us {mb / best[0]:5.0f} GB/s {best[1]} | default {default} "
+              f"{results[0][0]:.2f} us | next: {top}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="1B,8B,SmolLM2")
-    parser.add_argument("--rows", default="1,2,4")
     parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
     for shape in args.shapes.split(","):
         hidden, qkv, inter = SHAPES[shape]
         layers = make_layers(hidden, qkv, inter)
         layer_kb = 2 * hidden * (qkv + hidden + 3 * inter) / 1e3
-        for rows in map(int, args.rows.split(",")):
-            h = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
-            attn = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
-            unfused = replay_us(unfused_stack(layers, h, attn)) / len(layers)
-            fused = replay_us(fused_stack(layers, h, attn)) / len(layers)
-            use_pdl = gemv._use_pdl
-            gemv._use_pdl = lambda index: False
-            no_pdl = replay_us(fused_stack(layers, h, attn)) / len(layers)
-            gemv._use_pdl = use_pdl
-            print(f"{shape:8} M={rows}: unfused {unfused:7.2f} us/layer {layer_kb / unfused:5.0f} GB/s | fused "
-                  f"{fused:7.2f} us {layer_kb / fused:5.0f} GB/s ({unfused / fused:.2f}x) | fused, no PDL "
-                  f"{no_pdl:7.2f} us ({unfused / no_pdl:.2f}x)  [{len(layers)} layers]", flush=True)
-            if args.sweep and rows in (1, 4):
-                sweep(layers, rows, hidden, qkv, inter)
+        h = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+        attn = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+        if args.sweep:
+            sweep(layers, hidden, qkv, inter)
+        unfused = replay_us(unfused_stack(layers, h, attn)) / len(layers)
+        fused = replay_us(fused_stack(layers, h, attn)) / len(layers)
+        use_pdl = gemv._use_pdl
+        gemv._use_pdl = lambda index: False
+        no_pdl = replay_us(fused_stack(layers, h, attn)) / len(layers)
+        gemv._use_pdl = use_pdl
+        print(f"{shape:8}: unfused {unfused:7.2f} us/layer {layer_kb / unfused:5.0f} GB/s | fused "
+              f"{fused:7.2f} us {layer_kb / fused:5.0f} GB/s ({unfused / fused:.2f}x) | fused, no PDL "
+              f"{no_pdl:7.2f} us ({unfused / no_pdl:.2f}x)  [{len(layers)} layers]", flush=True)
         del layers
         torch.cuda.empty_cache()
 

@@ -62,11 +62,9 @@ def run_one(name: str, args: argparse.Namespace) -> dict | None:
         return measure_limits(torch.device("cuda"))
     if name in ("batch1_decode", "batch1_decode_unfused"):
         # _unfused: the same steps without the fused small-batch GEMV layers (models/gemv.py).
-        fused = {} if name == "batch1_decode" else {"engine__fused_gemv_max_tokens": 0}
+        fused = {} if name == "batch1_decode" else {"engine__fused_gemv": "off"}
         (graph_s, weight_bytes), (eager_s, _) = batch1_step_time(variant(**fused), True), batch1_step_time(variant(**fused), False)
         row = {"graph_step_ms": graph_s * 1e3, "eager_step_ms": eager_s * 1e3, "speedup": eager_s / graph_s}
-        for rows in (2, 4):  # a few rows still read every weight once a step
-            row[f"graph_step_ms_{rows}_rows"] = batch1_step_time(variant(**fused), True, rows)[0] * 1e3
         limits = json.loads(args.limits)
         if limits:  # the floor: reading every weight once at the measured HBM bandwidth
             floor_s = weight_bytes / (limits["hbm_gbps"] * 1e9)

