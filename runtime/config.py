@@ -58,8 +58,8 @@ class EngineSection:
     attention_backend: str = "auto"  # auto | torch | flashinfer
     kernels: str = "auto"  # auto | torch | flashinfer: norms, RoPE, activation, sampling
     cuda_graph_max_bs: int = 256  # largest decode batch replayed from a CUDA graph; 0 disables graphs
-    # auto | on | off: single-token steps run each layer as four fused GEMVs (GPU with Triton, TP=1,
-    # flashinfer kernels); auto where measured faster (hidden size <= 2048: models/gemv.py).
+    # auto | always | never: single-token steps run each layer as four fused GEMVs (GPU with Triton, TP=1,
+    # flashinfer kernels, CUDA graphs on); auto where measured faster (hidden size <= 2048: models/gemv.py).
     fused_gemv: str = "auto"
     seed: int = 0
 
@@ -131,7 +131,7 @@ _CHOICES = {
     "cache.type": ("radix", "naive"),
     "engine.attention_backend": ("auto", "torch", "flashinfer"),
     "engine.kernels": ("auto", "torch", "flashinfer"),
-    "engine.fused_gemv": ("auto", "on", "off"),
+    "engine.fused_gemv": ("auto", "always", "never"),
     "parallel.all_reduce": ("auto", "nccl", "symm_mem"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
@@ -166,7 +166,8 @@ def _validate(cfg: RuntimeConfig) -> None:
     for key, allowed in _CHOICES.items():
         value = OmegaConf.select(node, key)
         if value not in allowed:
-            raise ConfigError(f"config key '{key}'={value!r} must be one of {list(allowed)}")
+            hint = " (YAML reads on/off/yes/no as booleans)" if str(value) in ("True", "False") else ""
+            raise ConfigError(f"config key '{key}'={value!r} must be one of {list(allowed)}{hint}")
     for key in _POSITIVE:
         value = OmegaConf.select(node, key)
         if not value > 0:  # NaN too

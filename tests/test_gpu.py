@@ -84,9 +84,9 @@ def test_flashinfer_bf16_logits_against_hf_float32(fi_engine):
 
 def test_fused_gemv_decode_against_hf_float32_and_the_unfused_layers(fi_engine):
     """Single-request decode steps run the fused GEMV layers (models/gemv.py), in graphs and eagerly;
-    their logits stay within the bf16 budget of HF float32 and of the unfused layers (fused_gemv=off)."""
+    their logits stay within the bf16 budget of HF float32 and of the unfused layers (fused_gemv=never)."""
     assert fi_engine.model.model.fused_gemv
-    unfused = engine(LLAMA_1B, "engine.cuda_graph_max_bs=4", "engine.fused_gemv=off")
+    unfused = engine(LLAMA_1B, "engine.cuda_graph_max_bs=4", "engine.fused_gemv=never")
     assert not unfused.model.model.fused_gemv
     gen = torch.Generator().manual_seed(3)
     ref32_model = hf_model(fi_engine, LLAMA_1B, torch.float32)
