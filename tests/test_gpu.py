@@ -249,8 +249,9 @@ def test_many_engines_in_one_process():
 
 
 # A graph engine, then an eager one, then a graph engine, in one process, on the Llama-3.2-1B shape with the
-# benchmark's settings: the third engine's first graph warm-up hits "an illegal memory access" (issue 12,
-# reproduced on the H200 every time; see ARCHITECTURE.md, "Known problems").
+# benchmark's settings: before the engine stream waited for the default stream's fills, the third engine's
+# first graph warm-up read its page table before the fill and hit "an illegal memory access" (issue 12,
+# reproduced on the H200 every time; ARCHITECTURE.md, invariant 14).
 ENGINE_SEQUENCE = """
 import gc, sys, torch
 sys.path.insert(0, ".")
@@ -267,9 +268,9 @@ for graphs in (8, 0, 8):
 """
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12: the third engine of graph, eager, graph crashes (root cause open)")
 def test_a_graph_engine_after_an_eager_engine_after_a_graph_engine():
-    """Strict: when the bug is fixed this reports XPASS as a failure, so the marker goes with the fix."""
+    """Each engine reuses memory the one before freed; its first work on the engine stream must come after
+    the fills it made on the default stream."""
     import subprocess
     import sys
 

@@ -124,6 +124,12 @@ class Engine:
             decode_tokens * self.model_config.hidden_size * self.dtype.itemsize,
         )
         set_custom_all_reduce(self.custom_all_reduce)
+        if self.stream is not None:
+            # The weights, KV cache, page table and token pool were filled on the default stream; the engine
+            # stream runs the graph warm-ups and every step. Without this wait a new engine's first gather
+            # from the page table could run before its fill and read the block's previous contents (a
+            # dropped engine's data) as page ids: an illegal memory access (issue 12).
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.check_tokens = cfg.parallel.check_tokens and self.tp_size > 1
         self.graph_runner = None
         if self.stream is not None and self.attn_backend.supports_graphs and cfg.engine.cuda_graph_max_bs > 0:
