@@ -140,6 +140,16 @@ def test_wrong_type_or_bad_value_in_override_names_the_key(override, key):
         load_config([], [override])
 
 
+def test_a_yaml_boolean_for_a_choice_says_why(tmp_path):
+    """`off` is a YAML boolean: the error names the key, the choices and the reason the value changed."""
+    with pytest.raises(ConfigError, match=r"engine\.fused_gemv.*'auto', 'always', 'never'.*YAML reads on/off"):
+        load_config([], ["engine.fused_gemv=off"])
+    (tmp_path / "c.yaml").write_text("engine:\n  fused_gemv: on\n")
+    with pytest.raises(ConfigError, match="YAML reads on/off"):
+        load_config([tmp_path / "c.yaml"])
+    assert load_config([], ["engine.fused_gemv=never"]).engine.fused_gemv == "never"
+
+
 def test_wrong_type_in_yaml_names_the_key(tmp_path):
     path = write(tmp_path, "type.yaml", "cache:\n  page_size: abc\n")
     with pytest.raises(ConfigError, match=r"cache\.page_size"):
