@@ -174,6 +174,7 @@ class Batch:
     input_ids: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     out_loc: torch.Tensor | None = None
+    req_rows: torch.Tensor | None = None  # decode: each request's page-table row, on the device
     logits_indices: torch.Tensor | None = None
     attn_meta: Any = None
 

@@ -2,21 +2,30 @@
 
     python scripts/bench_attention.py [--batch 256] [--kv-min 200 --kv-max 2000] [--page-size 16]
         [--heads 32 --kv-heads 8 --head-dim 64] [--impls cuda,tc_fa2,tc_fa3,xqa] [--layouts NHD,HND]
+    python scripts/bench_attention.py --batch 1 --impls cuda+rope,tc_fa2+rope,triton,triton_s4 --layouts NHD
 
 Each implementation runs 10 decode-attention calls per graph replay over the same random paged
 cache (pages shuffled, lengths uniform in [kv-min, kv-max]); the line gives microseconds per call,
 the KV bytes read over that time, and the largest difference from the first implementation's
 output (the same numbers must come out of every kernel). ``xqa`` and the fa3 decode JIT-compile
 on first use (FLASHINFER_DISABLE_JIT unset).
+
+A ``+rope`` suffix runs our RoPE + KV-store kernel before the flashinfer call, as the engine does each layer;
+``triton`` (``triton_s<N>``: with N splits) is ``runtime/engine/attention/split_decode.py``, which rotates,
+stores and attends in its own kernels; only these are comparable with each other.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CALLS_PER_GRAPH = 10
 
@@ -30,22 +39,68 @@ def make_cache(a: argparse.Namespace, layout: str, dev: torch.device) -> dict:
     shape = (total + 1, a.page_size, a.kv_heads, a.head_dim)
     if layout == "HND":
         shape = (total + 1, a.kv_heads, a.page_size, a.head_dim)
-    k = torch.randn(shape, dtype=torch.bfloat16, device=dev)
-    v = torch.randn_like(k)
+    kv = torch.randn((2, *shape), dtype=torch.bfloat16, device=dev)  # one buffer, as the engine's cache
+    k, v = kv[0], kv[1]
     indices = (torch.randperm(total, device=dev) + 1).int()
     indptr = torch.cat((torch.zeros(1, dtype=torch.int32), pages_per.cumsum(0).int()))
     table = torch.zeros(a.batch, max_pages, dtype=torch.int32, device=dev)
     for b in range(a.batch):
         table[b, : pages_per[b]] = indices[indptr[b] : indptr[b + 1]]
+    positions = (lens - 1).long().to(dev)  # each request's new token: its K and V go to the last slot
+    last_page = table[torch.arange(a.batch, device=dev), positions // a.page_size].long()
+    qkv = torch.randn(a.batch, (a.heads + 2 * a.kv_heads) * a.head_dim, dtype=torch.bfloat16, device=dev)
     return dict(
+        kv=kv, qkv=qkv, positions=positions, out_loc=last_page * a.page_size + positions % a.page_size,
         k=k, v=v, lens=lens, indptr=indptr, indices=indices, table=table, max_len=int(lens.max()),
         last=(lens - (pages_per - 1) * a.page_size).int(),
         q=torch.randn(a.batch, a.heads, a.head_dim, dtype=torch.bfloat16, device=dev),
     )
 
 
+def qkv_views(a: argparse.Namespace, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q = qkv[:, : a.heads * a.head_dim].view(a.batch, a.heads, a.head_dim)
+    return q, qkv[:, a.heads * a.head_dim :].view(a.batch, 2, a.kv_heads, a.head_dim)
+
+
+def cos_sin_table(a: argparse.Namespace, c: dict) -> torch.Tensor:
+    from models.ops import rope_cos_sin_cache, rope_inv_freq
+
+    return rope_cos_sin_cache(c["max_len"] + 1, rope_inv_freq(a.head_dim, 500000.0, None)).to(c["q"].device)
+
+
+def with_rope(a: argparse.Namespace, c: dict, attend: Callable) -> Callable:
+    """The engine's unfused layer: RoPE on a copy of q/k and the KV write (one Triton kernel), then ``attend(q)``."""
+    from runtime.engine.attention.rope_store import rope_and_store
+    from runtime.engine.kv_cache import KVCache
+
+    q, kv = qkv_views(a, c["qkv"].clone())  # rotated in place: a copy per implementation
+    cache = KVCache.__new__(KVCache)
+    cache.buffer, cache.page_size = c["kv"][None], a.page_size
+    cos_sin = cos_sin_table(a, c)
+
+    def run() -> torch.Tensor:
+        rope_and_store(c["positions"], q, kv, cos_sin, cache, 0, c["out_loc"])
+        return attend(q)
+
+    return run
+
+
+def triton_impl(a: argparse.Namespace, c: dict, splits: int | None) -> Callable:
+    from runtime.engine.attention import split_decode as sd
+
+    q, kv = qkv_views(a, c["qkv"])
+    splits = splits or sd.num_splits(a.batch, a.kv_heads, q.device)
+    ws = torch.empty(sd.workspace_floats(a.batch, a.kv_heads, a.heads // a.kv_heads, a.head_dim, splits),
+                     dtype=torch.float32, device=q.device)
+    rows = torch.arange(a.batch, device=q.device)
+    cos_sin = cos_sin_table(a, c)
+    return lambda: sd.split_decode(q, kv, c["positions"], rows, c["out_loc"], cos_sin, c["table"], c["kv"], ws,
+                                   splits).view(a.batch, a.heads, a.head_dim)
+
+
 def wrapper_impl(
-    a: argparse.Namespace, c: dict, layout: str, tensor_cores: bool, backend: str, no_split: bool = False
+    a: argparse.Namespace, c: dict, layout: str, tensor_cores: bool, backend: str, no_split: bool = False,
+    rope: bool = False,
 ) -> Callable:
     import flashinfer
 
@@ -60,6 +115,8 @@ def wrapper_impl(
     w.plan(c["indptr"], c["indices"], c["last"], a.heads, a.kv_heads, a.head_dim, a.page_size,
            q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, disable_split_kv=no_split)
     out = torch.empty_like(c["q"])
+    if rope:
+        return with_rope(a, c, lambda q: w.run(q, (c["k"], c["v"]), out=out))
     return lambda: w.run(c["q"], (c["k"], c["v"]), out=out)
 
 
@@ -78,13 +135,19 @@ def xqa_impl(a: argparse.Namespace, c: dict, layout: str) -> Callable:
 
 
 def build(a: argparse.Namespace, impl: str, c: dict, layout: str) -> Callable:
+    rope = impl.endswith("+rope")
+    impl = impl.removesuffix("+rope")
+    if impl == "triton" or impl.startswith("triton_s"):
+        return triton_impl(a, c, int(impl[8:]) if impl.startswith("triton_s") else None)
     if impl == "cuda":
-        return wrapper_impl(a, c, layout, False, "auto")
+        return wrapper_impl(a, c, layout, False, "auto", rope=rope)
     if impl.startswith("tc_"):  # tc_fa2, tc_fa3, tc_auto; a "_nosplit" suffix plans without split-KV
-        return wrapper_impl(a, c, layout, True, impl[3:].removesuffix("_nosplit"), impl.endswith("_nosplit"))
+        name = impl[3:].removesuffix("_nosplit")
+        return wrapper_impl(a, c, layout, True, name, impl.endswith("_nosplit"), rope=rope)
     if impl == "xqa":
         return xqa_impl(a, c, layout)
-    raise ValueError(f"unknown --impls entry {impl!r} (cuda, tc_fa2, tc_fa3, tc_auto, tc_fa2_nosplit, xqa)")
+    raise ValueError(f"unknown --impls entry {impl!r} (cuda, tc_fa2, tc_fa3, tc_auto, tc_fa2_nosplit, xqa, "
+                     "with +rope; triton, triton_s<N>)")
 
 
 def time_graph(fn: Callable) -> tuple[float, torch.Tensor]:

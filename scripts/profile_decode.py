@@ -18,12 +18,32 @@ from scripts.bench_config import load_bench_config  # noqa: E402
 from scripts.bench_runs import workload  # noqa: E402
 
 
+def gpu_timeline(prof: torch.profiler.profile, steps: int) -> str:
+    """GPU busy time against the span of the window (idle = the GPU waiting for the host), per step."""
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end) for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+    if not kernels:
+        return "no GPU kernels recorded"
+    busy, cur_start, cur_end = 0.0, *kernels[0]
+    for start, end in kernels[1:]:
+        if start > cur_end:
+            busy, cur_start = busy + cur_end - cur_start, start
+        cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    span = kernels[-1][1] - kernels[0][0]
+    return (f"GPU timeline: {len(kernels)} kernels ({len(kernels) / steps:.0f} a step), busy {busy / 1e3:.2f} of "
+            f"{span / 1e3:.2f} ms ({busy / 1e3 / steps:.3f} ms a step busy, {(span - busy) / 1e3 / steps:.3f} ms idle)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", action="append", required=True)
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--trace", default=None, help="write a chrome trace here")
+    parser.add_argument("--rows", type=int, default=30, help="kernels in the table")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     cfg = load_bench_config(args.config, args.overrides)
@@ -37,7 +57,8 @@ def main() -> int:
     with torch.profiler.profile(activities=activities) as prof:
         llm.generate(prompts, params)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows))
+    print(gpu_timeline(prof, args.new_tokens))
     if args.trace:
         prof.export_chrome_trace(args.trace)
     return 0

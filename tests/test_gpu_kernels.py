@@ -110,3 +110,46 @@ def test_fused_gemv_chain_replays_bit_identically_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(h_static, eager)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "positions"),
+    [(32, 8, 64, [0, 15, 16, 700, 1999]), (9, 3, 64, [257, 40]), (28, 4, 128, [1500]), (32, 8, 128, [3, 900])],
+)
+@pytest.mark.parametrize("splits", [None, 1])  # None: the engine's split rule for the batch
+def test_split_decode_matches_float64(heads, kv_heads, dim, positions, splits):
+    """The compiled kernels in bf16 against the float64 reference of tests/test_split_decode.py."""
+    from runtime.engine.attention import split_decode as sd
+    from tests.test_split_decode import make_case, reference, run
+
+    case = make_case(heads, kv_heads, dim, positions, 16, torch.bfloat16, device="cuda", seed=len(positions))
+    ref, k_ref, v_ref = reference(case)
+    splits = splits or sd.num_splits(len(positions), kv_heads, torch.device("cuda"))
+    out = run(case, splits)
+    rel = float((out.double().cpu() - ref).norm() / ref.norm())
+    assert rel < 5e-3, rel  # bf16 output rounding is ~2e-3
+    flat = case["cache"].buffer[0].reshape(2, -1, kv_heads, dim)
+    torch.testing.assert_close(flat[0, case["out_loc"]].cpu().float(), k_ref.float(), rtol=8e-3, atol=8e-3)
+    assert torch.equal(flat[1, case["out_loc"]].cpu(), v_ref.cpu())
+
+
+def test_split_decode_replays_in_a_cuda_graph_with_new_positions():
+    """Captured once, replayed after the positions, rows and slots changed: equal to an eager call."""
+    from tests.test_split_decode import make_case, run
+
+    case = make_case(32, 8, 64, [100, 5, 1700, 31], 16, torch.bfloat16, device="cuda", seed=9)
+    fresh = make_case(32, 8, 64, [640, 1700, 2, 47], 16, torch.bfloat16, device="cuda", seed=9)
+    static = {k: case[k] for k in ("pos", "rows", "out_loc")}
+    run(case, 8)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(case, 8)
+    for k in static:
+        static[k].copy_(fresh[k])
+    case["table"].copy_(fresh["table"])
+    case["cache"].buffer.copy_(fresh["cache"].buffer)
+    case["qkv"].copy_(fresh["qkv"])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, run(fresh, 8))

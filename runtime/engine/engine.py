@@ -221,6 +221,7 @@ class Engine:
         batch.input_ids = self.token_pool[rows, pos]
         batch.positions = pos
         batch.out_loc = self.page_table[rows, pos // page].long() * page + pos % page
+        batch.req_rows = rows if batch.is_decode else None
         batch.logits_indices = None if batch.is_decode else last_idx
         return sample_rows, kv_lens
 

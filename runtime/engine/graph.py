@@ -33,6 +33,7 @@ class GraphRunner:
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.int32, device=dev)
         self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.out_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.req_rows = torch.full((self.max_bs,), engine.dummy_row, dtype=torch.int64, device=dev)
         # In the model's dtype: consumers upcast where they need to (sampling, logprobs), and a float32 buffer
         # would cost a conversion pass over [batch, vocab] every step.
         self.logits = torch.zeros(self.max_bs, engine.model_config.vocab_size, dtype=engine.dtype, device=dev)
@@ -70,6 +71,7 @@ class GraphRunner:
 
     def _bind_static(self, batch: Batch, bs: int) -> None:
         batch.input_ids, batch.positions, batch.out_loc = self.input_ids[:bs], self.positions[:bs], self.out_loc[:bs]
+        batch.req_rows = self.req_rows[:bs]
         batch.logits_indices = None
 
     def _capture_all(self) -> None:
@@ -102,6 +104,7 @@ class GraphRunner:
         self.input_ids[:bs].copy_(batch.input_ids)
         self.positions[:bs].copy_(batch.positions)
         self.out_loc[:bs].copy_(batch.out_loc)
+        self.req_rows[:bs].copy_(batch.req_rows)
         self.engine.attn_backend.prepare_graph(batch)
         self.graphs[bs].replay()
         return self.logits[:bs]

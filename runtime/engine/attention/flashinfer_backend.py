@@ -13,6 +13,7 @@ import torch
 
 from models.context import get_ctx
 from runtime.batch import Batch
+from runtime.engine.attention import split_decode as sd
 from runtime.engine.attention.rope_store import rope_and_store
 from runtime.engine.kv_cache import KVCache
 from runtime.utils import concat_ranges, host_to_device
@@ -27,6 +28,9 @@ WORKSPACE_BYTES = 128 << 20
 # head (Qwen2.5-7B has 7, 14B 5).
 TENSOR_CORE_DECODE_MIN_BATCH = 4
 CUDA_CORE_GROUP_SIZES = (1, 2, 3, 4, 8)
+# Captured decode graphs of up to this many requests attend with split_decode.py (RoPE, KV write, split-KV
+# attention and merge in two Triton kernels, no plan on the host) instead of RoPE + flashinfer + merge.
+SPLIT_DECODE_MAX_BATCH = 8
 
 
 def paged_layout(kv_lens: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -59,8 +63,11 @@ class FlashInferBackend:
         # by the same rule as the graphs.
         self.decode = {tc: self._decode_wrapper(tc) for tc in (False, True)}
         self.graph_decode: dict[int, object] = {}
+        # Captured sizes that decode on split_decode: their split count and partial-result workspace.
+        self.split_graphs: dict[int, tuple[int, torch.Tensor]] = {}
         self._plan_done: dict[int, torch.cuda.Event] = {}
         self.active: object = None
+        self.split: tuple[int, torch.Tensor] | None = None  # this step's, when it decodes on split_decode
 
     def decode_uses_tensor_cores(self, batch_size: int) -> bool:
         return batch_size >= TENSOR_CORE_DECODE_MIN_BATCH or not self.cuda_cores_allowed
@@ -92,6 +99,7 @@ class FlashInferBackend:
         self.active = wrapper
 
     def prepare(self, batch: Batch, wrapper: object | None = None) -> None:
+        self.split = None
         hq, hkv, dim = self.heads
         page = self.kv_cache.page_size
         num_pages, indptr, last_len = paged_layout(batch.kv_lens, page)
@@ -111,6 +119,10 @@ class FlashInferBackend:
 
     def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int, cos_sin: torch.Tensor) -> torch.Tensor:
         batch = get_ctx().batch
+        if self.split is not None:
+            splits, workspace = self.split
+            return sd.split_decode(q, kv, batch.positions, batch.req_rows, batch.out_loc, cos_sin, self.page_table,
+                                   self.kv_cache.buffer[layer_id], workspace, splits)
         rope_and_store(batch.positions, q, kv, cos_sin, self.kv_cache, layer_id, batch.out_loc)
         # q may be a strided view into the fused qkv output: the kernels take its row and head strides.
         return self.active.run(q, (self.kv_cache.k(layer_id), self.kv_cache.v(layer_id)))
@@ -118,6 +130,12 @@ class FlashInferBackend:
     # CUDA graphs: one decode wrapper per captured batch size, over static index buffers.
     def init_graph(self, bs: int, max_pages_per_req: int) -> None:
         dev = self.device
+        hq, hkv, dim = self.heads
+        if bs <= SPLIT_DECODE_MAX_BATCH and sd.supports(dim):
+            splits = sd.num_splits(bs, hkv, dev)
+            floats = sd.workspace_floats(bs, hkv, hq // hkv, dim, splits)
+            self.split_graphs[bs] = splits, torch.empty(floats, dtype=torch.float32, device=dev)
+            return
         self.graph_decode[bs] = self._decode_wrapper(
             self.decode_uses_tensor_cores(bs),
             paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=dev),
@@ -127,4 +145,8 @@ class FlashInferBackend:
 
     def prepare_graph(self, batch: Batch) -> None:
         """Plan the graph wrapper of ``batch.padded_size`` (before capture and before every replay)."""
+        split = self.split_graphs.get(batch.padded_size)
+        if split is not None:  # split_decode reads positions and page-table rows on the device: no plan
+            self.active, self.split = None, split
+            return
         self.prepare(batch, self.graph_decode[batch.padded_size])

@@ -1,0 +1,223 @@
+"""Decode attention for small CUDA-graph batches (Triton): RoPE, the KV write and split-KV attention.
+
+At one request a layer's flashinfer decode is three kernels (RoPE + KV store, the split-KV decode,
+the merge of its splits: 2.6 + 6.5 + 3.2 us on the 1B shape, ~12 us a layer against ~40 us for all
+of its weights). Here it is two, both short:
+
+- ``_split_attend``, one program per (request, KV head, split): rotates its q heads and the new k
+  (neox RoPE over the whole head, float32, rounded to the model dtype as the cache and the unfused
+  path hold them), writes the new K and V to the cache (split 0 only), attends over its share of the
+  cached tokens through the page table, adds the new token from registers (no program reads a slot
+  another program writes in the same step) and leaves its partial softmax state in a workspace;
+- ``_merge_splits``, one program per (request, KV head), combines the splits' states.
+
+With one split the first kernel writes the output itself. The split count is fixed per captured
+graph (the grid must not change between replays); each program's share of the sequence is computed
+on the device from the request's position, in whole blocks. Scores and the weighted sum accumulate
+in float32 on the CUDA cores (a handful of query heads per KV head gives a tensor core nothing to
+do), and both kernels use programmatic dependent launch on Hopper like ``models/gemv.py``: nothing is
+read or written before ``gdc_wait``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs never reach the flashinfer backend
+    triton = None
+
+LOG2E = 1.4426950408889634
+
+if triton is not None:
+
+    @triton.jit
+    def _split_attend(
+        q_ptr, q_stride, kv_ptr, kv_stride, pos_ptr, row_ptr, loc_ptr, cos_sin_ptr, table_ptr, table_stride,
+        cache_ptr, plane_stride, part_ptr, out_ptr, scale,
+        HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HALF: tl.constexpr,
+        PAGE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.program_id(2)
+        D: tl.constexpr = 2 * HALF
+        dims = tl.arange(0, HALF)
+        g = tl.arange(0, GROUP_P2)
+        g_ok = g < GROUP
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        pos = tl.load(pos_ptr + b)  # the new token's position: pos cached tokens come before it
+        cos = tl.load(cos_sin_ptr + pos * D + dims)
+        sin = tl.load(cos_sin_ptr + pos * D + HALF + dims)
+        dtype = cache_ptr.dtype.element_ty
+
+        # q heads h * GROUP + g, rotated and rounded as the cache path would hold them, then scaled (log2).
+        q = q_ptr + b.to(tl.int64) * q_stride + (h * GROUP + g)[:, None] * D + dims[None, :]
+        q1 = tl.load(q, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        q2 = tl.load(q + HALF, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        q1, q2 = (q1 * cos - q2 * sin).to(dtype).to(tl.float32), (q2 * cos + q1 * sin).to(dtype).to(tl.float32)
+        q1 *= scale
+        q2 *= scale
+
+        k_new = kv_ptr + b.to(tl.int64) * kv_stride + h * D + dims
+        k1 = tl.load(k_new).to(tl.float32)
+        k2 = tl.load(k_new + HALF).to(tl.float32)
+        k1, k2 = (k1 * cos - k2 * sin).to(dtype), (k2 * cos + k1 * sin).to(dtype)
+        v1 = tl.load(k_new + HKV * D)
+        v2 = tl.load(k_new + HKV * D + HALF)
+        if s == 0:
+            slot = cache_ptr + tl.load(loc_ptr + b) * (HKV * D) + h * D + dims
+            tl.store(slot, k1)
+            tl.store(slot + HALF, k2)
+            tl.store(slot + plane_stride, v1)
+            tl.store(slot + plane_stride + HALF, v2)
+
+        # This split's share of tokens [0, pos], in whole blocks; the last share also holds the new token.
+        share = tl.cdiv(tl.cdiv(pos + 1, SPLITS), BLOCK_N) * BLOCK_N
+        start = s * share
+        end = tl.minimum(start + share, pos)  # cached tokens only
+        m = tl.full((GROUP_P2,), float("-inf"), tl.float32)
+        lsum = tl.zeros((GROUP_P2,), tl.float32)
+        acc1 = tl.zeros((GROUP_P2, HALF), tl.float32)
+        acc2 = tl.zeros((GROUP_P2, HALF), tl.float32)
+        pages = table_ptr + tl.load(row_ptr + b).to(tl.int64) * table_stride
+        head = cache_ptr + h * D + dims[None, :]
+        t0 = start
+        while t0 < end:  # a while loop: Triton's interpreter (the CPU tests) cannot range over runtime bounds
+            t = t0 + tl.arange(0, BLOCK_N)
+            t_ok = t < end
+            page = tl.load(pages + t // PAGE, mask=t_ok, other=0).to(tl.int64)
+            tok = head + ((page * PAGE) + t % PAGE)[:, None] * (HKV * D)
+            ck1 = tl.load(tok, mask=t_ok[:, None], other=0.0).to(tl.float32)
+            ck2 = tl.load(tok + HALF, mask=t_ok[:, None], other=0.0).to(tl.float32)
+            x = tl.sum(q1[:, None, :] * ck1[None, :, :], axis=2) + tl.sum(q2[:, None, :] * ck2[None, :, :], axis=2)
+            x = tl.where(t_ok[None, :], x, float("-inf"))
+            m_new = tl.maximum(m, tl.max(x, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(x - m_new[:, None])
+            lsum = lsum * alpha + tl.sum(p, axis=1)
+            cv1 = tl.load(tok + plane_stride, mask=t_ok[:, None], other=0.0).to(tl.float32)
+            cv2 = tl.load(tok + plane_stride + HALF, mask=t_ok[:, None], other=0.0).to(tl.float32)
+            acc1 = acc1 * alpha[:, None] + tl.sum(p[:, :, None] * cv1[None, :, :], axis=1)
+            acc2 = acc2 * alpha[:, None] + tl.sum(p[:, :, None] * cv2[None, :, :], axis=1)
+            m = m_new
+            t0 += BLOCK_N
+        if (start <= pos) & (pos < start + share):  # the new token, from registers
+            x = tl.sum(q1 * k1.to(tl.float32)[None, :], axis=1) + tl.sum(q2 * k2.to(tl.float32)[None, :], axis=1)
+            m_new = tl.maximum(m, x)
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(x - m_new)
+            lsum = lsum * alpha + p
+            acc1 = acc1 * alpha[:, None] + p[:, None] * v1.to(tl.float32)[None, :]
+            acc2 = acc2 * alpha[:, None] + p[:, None] * v2.to(tl.float32)[None, :]
+            m = m_new
+        if SPLITS == 1:
+            out = out_ptr + b.to(tl.int64) * (HQ * D) + (h * GROUP + g)[:, None] * D + dims[None, :]
+            tl.store(out, (acc1 / lsum[:, None]).to(dtype), mask=g_ok[:, None])
+            tl.store(out + HALF, (acc2 / lsum[:, None]).to(dtype), mask=g_ok[:, None])
+        else:
+            # Workspace [requests, HKV, SPLITS, GROUP_P2, D + 2]: the unnormalised sum, then the running max m and the sum of exp2 lsum.
+            part = part_ptr + (((b * HKV + h) * SPLITS + s) * GROUP_P2 + g).to(tl.int64) * (D + 2)
+            tl.store(part[:, None] + dims[None, :], acc1)
+            tl.store(part[:, None] + HALF + dims[None, :], acc2)
+            tl.store(part + D, m)
+            tl.store(part + D + 1, lsum)
+
+    @triton.jit
+    def _merge_splits(
+        part_ptr, out_ptr, HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+        D: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        sp = tl.arange(0, SPLITS)[:, None]
+        g = tl.arange(0, GROUP_P2)[None, :]
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        part = part_ptr + (((b * HKV + h) * SPLITS + sp) * GROUP_P2 + g).to(tl.int64) * (D + 2)  # [SPLITS, G]
+        m = tl.load(part + D)
+        lsum = tl.load(part + D + 1)
+        m_all = tl.max(m, axis=0)
+        w = tl.exp2(m - m_all[None, :])  # empty splits: m = -inf, weight 0
+        denom = tl.sum(w * lsum, axis=0)
+        dims = tl.arange(0, D)[None, None, :]
+        acc = tl.load(part[:, :, None] + dims)  # [SPLITS, G, D]
+        o = tl.sum(w[:, :, None] * acc, axis=0) / denom[:, None]
+        gg = tl.arange(0, GROUP_P2)[:, None]
+        out = out_ptr + b.to(tl.int64) * (HQ * D) + (h * GROUP + gg) * D + tl.arange(0, D)[None, :]
+        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=gg < GROUP)
+
+
+@functools.cache
+def _use_pdl(device_index: int) -> bool:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return 8
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def supports(head_dim: int) -> bool:
+    """Triton is present and the head splits into power-of-two halves (tl.arange's rule)."""
+    return triton is not None and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def num_splits(batch_size: int, kv_heads: int, device: torch.device) -> int:
+    """Splits per (request, KV head): about two programs per SM in all, at most 16, a power of two."""
+    want = max(1, 2 * _sm_count(device.index or 0) // (batch_size * kv_heads))
+    return min(16, 1 << (want.bit_length() - 1))
+
+
+def block_tokens(group: int, head_dim: int) -> int:
+    """Tokens per loop step: the [group, tokens, head_dim / 2] products stay within ~4K float32 a program."""
+    return max(8, min(64, 4096 // (triton.next_power_of_2(group) * head_dim // 2)))
+
+
+def workspace_floats(batch_size: int, kv_heads: int, group: int, head_dim: int, splits: int) -> int:
+    return batch_size * kv_heads * splits * triton.next_power_of_2(group) * (head_dim + 2)
+
+
+def split_decode(
+    q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, out_loc: torch.Tensor,
+    cos_sin: torch.Tensor, page_table: torch.Tensor, cache: torch.Tensor, workspace: torch.Tensor, splits: int,
+) -> torch.Tensor:
+    """Attention of one new token per request; also rotates it and writes its K and V to the cache.
+
+    ``q``: ``[B, heads, d]`` and ``kv``: ``[B, 2, kv_heads, d]`` before RoPE (rows may be strided, heads and
+    dims dense); ``positions``, ``rows`` (page-table rows) and ``out_loc`` (flat cache slots): ``[B]``;
+    ``cache``: this layer's ``[2, pages, page_size, kv_heads, d]``; ``workspace``: float32 of at least
+    ``workspace_floats`` (unused with one split). Returns ``[B, heads * d]``.
+    """
+    batch, heads, dim = q.shape
+    kv_heads = kv.shape[2]
+    group = heads // kv_heads
+    out = torch.empty(batch, heads * dim, dtype=q.dtype, device=q.device)
+    pdl = _use_pdl(q.device.index or 0)
+    warps = 4 if group * dim <= 512 else 8
+    _split_attend[(batch, kv_heads, splits)](
+        q, q.stride(0), kv, kv.stride(0), positions, rows, out_loc, cos_sin, page_table, page_table.stride(0),
+        cache, cache.stride(0), workspace, out, LOG2E / math.sqrt(dim),
+        HQ=heads, HKV=kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group), HALF=dim // 2,
+        PAGE=cache.shape[2], SPLITS=splits, BLOCK_N=block_tokens(group, dim), PDL=pdl,
+        launch_pdl=pdl, num_warps=warps,
+    )
+    if splits > 1:
+        _merge_splits[(batch, kv_heads)](
+            workspace, out, HQ=heads, HKV=kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group), D=dim,
+            SPLITS=splits, PDL=pdl, launch_pdl=pdl, num_warps=4,
+        )
+    return out
