@@ -48,13 +48,24 @@ if triton is not None:
         n_ok = n < N
         kk = tl.arange(0, BLOCK_K)
         w_rows = w_ptr + n[:, None].to(tl.int64) * K
+        # The weights are no kernel's output: the first block is read before gdc_wait, overlapping the
+        # previous kernel's tail (without it the dependent launch gained nothing at the 1B shape).
+        w_ok = n_ok[:, None] & (kk < K)[None, :]
+        w = tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0, eviction_policy="evict_first")
+        if SILU:
+            up = tl.load(w_rows + N * K + kk[None, :], mask=w_ok, other=0.0, eviction_policy="evict_first")
+        else:
+            up = w
         if PDL:
             tl.extra.cuda.gdc_wait()  # the previous kernel's writes (x, out) are visible from here on
             tl.extra.cuda.gdc_launch_dependents()
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        sq = x * x
+        if NORM:
+            x = x * tl.load(norm_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        acc = w.to(tl.float32) * x[None, :]
+        acc_up = up.to(tl.float32) * x[None, :]
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             k = k0 + kk
             k_ok = k < K
             x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)

@@ -79,7 +79,7 @@ def run(case: dict, splits: int) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "splits", "positions"),
     [
-        (4, 1, 32, 1, [0, 1, 15, 16, 17, 40]),  # one split: the first kernel writes the output
+        (4, 1, 32, 1, [0, 1, 15, 16, 17, 40, 200]),  # one split: the first kernel writes the output; 4 blocks
         (9, 3, 32, 4, [0, 5, 31, 32, 33, 100]),  # SmolLM2's 3 q heads per KV head; splits left empty
         (8, 2, 64, 2, [70, 3]),
         (14, 2, 16, 8, [200]),  # 7 q heads per KV head (Qwen2.5-7B): the group is padded to 8
@@ -114,7 +114,10 @@ def test_a_separate_q_tensor_is_read_through_its_strides():
 
 
 def test_split_rule():
-    dev = torch.device("cpu")
-    assert sd.num_splits(1, 8, dev) in (1, 2, 4, 8, 16)
-    assert sd.num_splits(1, 1, dev) == 16  # capped
-    assert sd.num_splits(256, 8, dev) == 1
+    """One block per program up to 64 splits, fewer where the batch already fills 4096 programs."""
+    assert sd.block_tokens(4, 64) == 32
+    assert sd.num_splits(1, 8, 4, 64, 2048) == 64
+    assert sd.num_splits(1, 8, 4, 64, 300) == 16  # 10 blocks, rounded up to a power of two
+    assert sd.num_splits(8, 8, 4, 64, 2048) == 64
+    assert sd.num_splits(64, 8, 4, 64, 2048) == 8
+    assert sd.num_splits(1, 8, 4, 64, 20) == 1

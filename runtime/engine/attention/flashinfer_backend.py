@@ -132,7 +132,7 @@ class FlashInferBackend:
         dev = self.device
         hq, hkv, dim = self.heads
         if bs <= SPLIT_DECODE_MAX_BATCH and sd.supports(dim):
-            splits = sd.num_splits(bs, hkv, dev)
+            splits = sd.num_splits(bs, hkv, hq // hkv, dim, max_pages_per_req * self.kv_cache.page_size)
             floats = sd.workspace_floats(bs, hkv, hq // hkv, dim, splits)
             self.split_graphs[bs] = splits, torch.empty(floats, dtype=torch.float32, device=dev)
             return

@@ -51,13 +51,30 @@ if triton is not None:
         dims = tl.arange(0, HALF)
         g = tl.arange(0, GROUP_P2)
         g_ok = g < GROUP
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        dtype = cache_ptr.dtype.element_ty
+        # Before gdc_wait, only what no kernel of this step writes: the position, page table and slot (copied in
+        # before the graph) and this layer's cached tokens (written by earlier steps). The first block of the
+        # cached K and V is read here, overlapping the previous kernel's tail.
         pos = tl.load(pos_ptr + b)  # the new token's position: pos cached tokens come before it
+        # This split's share of tokens [0, pos], in whole blocks; the last share also holds the new token.
+        share = tl.cdiv(tl.cdiv(pos + 1, SPLITS), BLOCK_N) * BLOCK_N
+        start = s * share
+        end = tl.minimum(start + share, pos)  # cached tokens only
+        pages = table_ptr + tl.load(row_ptr + b).to(tl.int64) * table_stride
+        head = cache_ptr + h * D + dims[None, :]
+        t = start + tl.arange(0, BLOCK_N)
+        t_ok = t < end
+        page = tl.load(pages + t // PAGE, mask=t_ok, other=0).to(tl.int64)
+        tok = head + ((page * PAGE) + t % PAGE)[:, None] * (HKV * D)
+        ck1 = tl.load(tok, mask=t_ok[:, None], other=0.0)
+        ck2 = tl.load(tok + HALF, mask=t_ok[:, None], other=0.0)
+        cv1 = tl.load(tok + plane_stride, mask=t_ok[:, None], other=0.0)
+        cv2 = tl.load(tok + plane_stride + HALF, mask=t_ok[:, None], other=0.0)
         cos = tl.load(cos_sin_ptr + pos * D + dims)
         sin = tl.load(cos_sin_ptr + pos * D + HALF + dims)
-        dtype = cache_ptr.dtype.element_ty
+        if PDL:
+            tl.extra.cuda.gdc_wait()  # q, k and v of this step are written from here on
+            tl.extra.cuda.gdc_launch_dependents()
 
         # q heads h * GROUP + g, rotated and rounded as the cache path would hold them, then scaled (log2).
         q = q_ptr + b.to(tl.int64) * q_stride + (h * GROUP + g)[:, None] * D + dims[None, :]
@@ -66,7 +83,6 @@ if triton is not None:
         q1, q2 = (q1 * cos - q2 * sin).to(dtype).to(tl.float32), (q2 * cos + q1 * sin).to(dtype).to(tl.float32)
         q1 *= scale
         q2 *= scale
-
         k_new = kv_ptr + b.to(tl.int64) * kv_stride + h * D + dims
         k1 = tl.load(k_new).to(tl.float32)
         k2 = tl.load(k_new + HALF).to(tl.float32)
@@ -80,36 +96,31 @@ if triton is not None:
             tl.store(slot + plane_stride, v1)
             tl.store(slot + plane_stride + HALF, v2)
 
-        # This split's share of tokens [0, pos], in whole blocks; the last share also holds the new token.
-        share = tl.cdiv(tl.cdiv(pos + 1, SPLITS), BLOCK_N) * BLOCK_N
-        start = s * share
-        end = tl.minimum(start + share, pos)  # cached tokens only
         m = tl.full((GROUP_P2,), float("-inf"), tl.float32)
         lsum = tl.zeros((GROUP_P2,), tl.float32)
         acc1 = tl.zeros((GROUP_P2, HALF), tl.float32)
         acc2 = tl.zeros((GROUP_P2, HALF), tl.float32)
-        pages = table_ptr + tl.load(row_ptr + b).to(tl.int64) * table_stride
-        head = cache_ptr + h * D + dims[None, :]
         t0 = start
         while t0 < end:  # a while loop: Triton's interpreter (the CPU tests) cannot range over runtime bounds
-            t = t0 + tl.arange(0, BLOCK_N)
-            t_ok = t < end
-            page = tl.load(pages + t // PAGE, mask=t_ok, other=0).to(tl.int64)
-            tok = head + ((page * PAGE) + t % PAGE)[:, None] * (HKV * D)
-            ck1 = tl.load(tok, mask=t_ok[:, None], other=0.0).to(tl.float32)
-            ck2 = tl.load(tok + HALF, mask=t_ok[:, None], other=0.0).to(tl.float32)
-            x = tl.sum(q1[:, None, :] * ck1[None, :, :], axis=2) + tl.sum(q2[:, None, :] * ck2[None, :, :], axis=2)
+            x = tl.sum(q1[:, None, :] * ck1.to(tl.float32)[None, :, :], axis=2)
+            x += tl.sum(q2[:, None, :] * ck2.to(tl.float32)[None, :, :], axis=2)
             x = tl.where(t_ok[None, :], x, float("-inf"))
             m_new = tl.maximum(m, tl.max(x, axis=1))
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(x - m_new[:, None])
             lsum = lsum * alpha + tl.sum(p, axis=1)
-            cv1 = tl.load(tok + plane_stride, mask=t_ok[:, None], other=0.0).to(tl.float32)
-            cv2 = tl.load(tok + plane_stride + HALF, mask=t_ok[:, None], other=0.0).to(tl.float32)
-            acc1 = acc1 * alpha[:, None] + tl.sum(p[:, :, None] * cv1[None, :, :], axis=1)
-            acc2 = acc2 * alpha[:, None] + tl.sum(p[:, :, None] * cv2[None, :, :], axis=1)
+            acc1 = acc1 * alpha[:, None] + tl.sum(p[:, :, None] * cv1.to(tl.float32)[None, :, :], axis=1)
+            acc2 = acc2 * alpha[:, None] + tl.sum(p[:, :, None] * cv2.to(tl.float32)[None, :, :], axis=1)
             m = m_new
             t0 += BLOCK_N
+            t = t0 + tl.arange(0, BLOCK_N)  # the next block (none past the share: all masked)
+            t_ok = t < end
+            page = tl.load(pages + t // PAGE, mask=t_ok, other=0).to(tl.int64)
+            tok = head + ((page * PAGE) + t % PAGE)[:, None] * (HKV * D)
+            ck1 = tl.load(tok, mask=t_ok[:, None], other=0.0)
+            ck2 = tl.load(tok + HALF, mask=t_ok[:, None], other=0.0)
+            cv1 = tl.load(tok + plane_stride, mask=t_ok[:, None], other=0.0)
+            cv2 = tl.load(tok + plane_stride + HALF, mask=t_ok[:, None], other=0.0)
         if (start <= pos) & (pos < start + share):  # the new token, from registers
             x = tl.sum(q1 * k1.to(tl.float32)[None, :], axis=1) + tl.sum(q2 * k2.to(tl.float32)[None, :], axis=1)
             m_new = tl.maximum(m, x)
@@ -123,8 +134,8 @@ if triton is not None:
             out = out_ptr + b.to(tl.int64) * (HQ * D) + (h * GROUP + g)[:, None] * D + dims[None, :]
             tl.store(out, (acc1 / lsum[:, None]).to(dtype), mask=g_ok[:, None])
             tl.store(out + HALF, (acc2 / lsum[:, None]).to(dtype), mask=g_ok[:, None])
-        else:
-            # Workspace [requests, HKV, SPLITS, GROUP_P2, D + 2]: the unnormalised sum, then the running max m and the sum of exp2 lsum.
+        elif start <= pos:  # splits past the sequence leave nothing: the merge reads only the live ones
+            # Workspace [requests, HKV, SPLITS, GROUP_P2, D + 2]: the unnormalised sum, the running max, the sum.
             part = part_ptr + (((b * HKV + h) * SPLITS + s) * GROUP_P2 + g).to(tl.int64) * (D + 2)
             tl.store(part[:, None] + dims[None, :], acc1)
             tl.store(part[:, None] + HALF + dims[None, :], acc2)
@@ -133,24 +144,26 @@ if triton is not None:
 
     @triton.jit
     def _merge_splits(
-        part_ptr, out_ptr, HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
-        D: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr,
+        part_ptr, pos_ptr, out_ptr, HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr,
+        GROUP_P2: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.arange(0, SPLITS)[:, None]
         g = tl.arange(0, GROUP_P2)[None, :]
+        pos = tl.load(pos_ptr + b)
+        live = sp < tl.cdiv(pos + 1, tl.cdiv(tl.cdiv(pos + 1, SPLITS), BLOCK_N) * BLOCK_N)  # _split_attend's shares
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         part = part_ptr + (((b * HKV + h) * SPLITS + sp) * GROUP_P2 + g).to(tl.int64) * (D + 2)  # [SPLITS, G]
-        m = tl.load(part + D)
-        lsum = tl.load(part + D + 1)
+        m = tl.load(part + D, mask=live, other=float("-inf"))
+        lsum = tl.load(part + D + 1, mask=live, other=0.0)
         m_all = tl.max(m, axis=0)
-        w = tl.exp2(m - m_all[None, :])  # empty splits: m = -inf, weight 0
+        w = tl.exp2(m - m_all[None, :])  # splits past the sequence: weight 0
         denom = tl.sum(w * lsum, axis=0)
         dims = tl.arange(0, D)[None, None, :]
-        acc = tl.load(part[:, :, None] + dims)  # [SPLITS, G, D]
+        acc = tl.load(part[:, :, None] + dims, mask=live[:, :, None], other=0.0)  # [SPLITS, G, D]
         o = tl.sum(w[:, :, None] * acc, axis=0) / denom[:, None]
         gg = tl.arange(0, GROUP_P2)[:, None]
         out = out_ptr + b.to(tl.int64) * (HQ * D) + (h * GROUP + gg) * D + tl.arange(0, D)[None, :]
@@ -176,10 +189,11 @@ def supports(head_dim: int) -> bool:
     return triton is not None and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def num_splits(batch_size: int, kv_heads: int, device: torch.device) -> int:
-    """Splits per (request, KV head): about two programs per SM in all, at most 16, a power of two."""
-    want = max(1, 2 * _sm_count(device.index or 0) // (batch_size * kv_heads))
-    return min(16, 1 << (want.bit_length() - 1))
+def num_splits(batch_size: int, kv_heads: int, group: int, head_dim: int, max_len: int) -> int:
+    """Splits per (request, KV head): enough that a sequence of ``max_len`` tokens is one block per program
+    (every cached K and V then read before ``gdc_wait``), at most 64 and 4096 programs, a power of two."""
+    want = min(triton.cdiv(max_len, block_tokens(group, head_dim)), 64, max(1, 4096 // (batch_size * kv_heads)))
+    return min(64, triton.next_power_of_2(want))
 
 
 def block_tokens(group: int, head_dim: int) -> int:
@@ -207,17 +221,18 @@ def split_decode(
     group = heads // kv_heads
     out = torch.empty(batch, heads * dim, dtype=q.dtype, device=q.device)
     pdl = _use_pdl(q.device.index or 0)
+    block = block_tokens(group, dim)
     warps = 4 if group * dim <= 512 else 8
     _split_attend[(batch, kv_heads, splits)](
         q, q.stride(0), kv, kv.stride(0), positions, rows, out_loc, cos_sin, page_table, page_table.stride(0),
         cache, cache.stride(0), workspace, out, LOG2E / math.sqrt(dim),
         HQ=heads, HKV=kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group), HALF=dim // 2,
-        PAGE=cache.shape[2], SPLITS=splits, BLOCK_N=block_tokens(group, dim), PDL=pdl,
+        PAGE=cache.shape[2], SPLITS=splits, BLOCK_N=block, PDL=pdl,
         launch_pdl=pdl, num_warps=warps,
     )
     if splits > 1:
         _merge_splits[(batch, kv_heads)](
-            workspace, out, HQ=heads, HKV=kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group), D=dim,
-            SPLITS=splits, PDL=pdl, launch_pdl=pdl, num_warps=4,
+            workspace, positions, out, HQ=heads, HKV=kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group),
+            D=dim, SPLITS=splits, BLOCK_N=block, PDL=pdl, launch_pdl=pdl, num_warps=4,
         )
     return out
