@@ -60,9 +60,14 @@ def run_one(name: str, args: argparse.Namespace) -> dict | None:
 
     if name == "limits":
         return measure_limits(torch.device("cuda"))
-    if name in ("batch1_decode", "batch1_decode_unfused"):
-        # _unfused: the same steps without the fused single-token GEMV layers (models/gemv.py).
-        fused = {} if name == "batch1_decode" else {"engine__fused_gemv": "never"}
+    if name in ("batch1_decode", "batch1_decode_unfused", "batch1_decode_flashinfer"):
+        # _unfused: the same steps without the fused single-token GEMV layers (models/gemv.py);
+        # _flashinfer: with RoPE + flashinfer's decode + merge instead of split_decode.py in the graphs.
+        fused = {"engine__fused_gemv": "never"} if name == "batch1_decode_unfused" else {}
+        if name == "batch1_decode_flashinfer":
+            from runtime.engine.attention import flashinfer_backend
+
+            flashinfer_backend.SPLIT_DECODE_MAX_BATCH = 0
         (graph_s, weight_bytes), (eager_s, _) = batch1_step_time(variant(**fused), True), batch1_step_time(variant(**fused), False)
         row = {"graph_step_ms": graph_s * 1e3, "eager_step_ms": eager_s * 1e3, "speedup": eager_s / graph_s}
         limits = json.loads(args.limits)

@@ -30,7 +30,10 @@ TENSOR_CORE_DECODE_MIN_BATCH = 4
 CUDA_CORE_GROUP_SIZES = (1, 2, 3, 4, 8)
 # Captured decode graphs of up to this many requests attend with split_decode.py (RoPE, KV write, split-KV
 # attention and merge in two Triton kernels, no plan on the host) instead of RoPE + flashinfer + merge.
-SPLIT_DECODE_MAX_BATCH = 8
+# scripts/bench_attention.py on the H200 (32/8 heads x 64, inside graphs, with the RoPE + KV write): one
+# request of 250-300 tokens 6.6 against 9.1 us, of 200-2000 tokens 11.5 against 9.8; two requests
+# 19.4 against 11.6, eight 52.4 against 16.4 (one program per block does not scale with the batch).
+SPLIT_DECODE_MAX_BATCH = 1
 
 
 def paged_layout(kv_lens: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
