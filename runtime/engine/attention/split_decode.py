@@ -59,6 +59,8 @@ if triton is not None:
         # This split's share of tokens [0, pos], in whole blocks; the last share also holds the new token.
         share = tl.cdiv(tl.cdiv(pos + 1, SPLITS), BLOCK_N) * BLOCK_N
         start = s * share
+        if start > pos:  # a split past the sequence: nothing to read, wait for or write (the merge skips it)
+            return
         end = tl.minimum(start + share, pos)  # cached tokens only
         pages = table_ptr + tl.load(row_ptr + b).to(tl.int64) * table_stride
         head = cache_ptr + h * D + dims[None, :]
@@ -134,7 +136,7 @@ if triton is not None:
             out = out_ptr + b.to(tl.int64) * (HQ * D) + (h * GROUP + g)[:, None] * D + dims[None, :]
             tl.store(out, (acc1 / lsum[:, None]).to(dtype), mask=g_ok[:, None])
             tl.store(out + HALF, (acc2 / lsum[:, None]).to(dtype), mask=g_ok[:, None])
-        elif start <= pos:  # splits past the sequence leave nothing: the merge reads only the live ones
+        else:
             # Workspace [requests, HKV, SPLITS, GROUP_P2, D + 2]: the unnormalised sum, the running max, the sum.
             part = part_ptr + (((b * HKV + h) * SPLITS + s) * GROUP_P2 + g).to(tl.int64) * (D + 2)
             tl.store(part[:, None] + dims[None, :], acc1)
