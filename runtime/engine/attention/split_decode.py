@@ -38,6 +38,24 @@ LOG2E = 1.4426950408889634
 if triton is not None:
 
     @triton.jit
+    def _load_block(
+        pages, head, t0, end, plane_stride, HKV: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """One KV head's tokens [t0, t0 + BLOCK_N) below ``end``, through the request's page-table row:
+        the mask, then K's and V's halves ([BLOCK_N, HALF] each, model dtype)."""
+        t = t0 + tl.arange(0, BLOCK_N)
+        t_ok = t < end
+        page = tl.load(pages + t // PAGE, mask=t_ok, other=0).to(tl.int64)
+        tok = head + ((page * PAGE) + t % PAGE)[:, None] * (HKV * 2 * HALF)
+        ok = t_ok[:, None]
+        k1 = tl.load(tok, mask=ok, other=0.0)
+        k2 = tl.load(tok + HALF, mask=ok, other=0.0)
+        v1 = tl.load(tok + plane_stride, mask=ok, other=0.0)
+        v2 = tl.load(tok + plane_stride + HALF, mask=ok, other=0.0)
+        return t_ok, k1, k2, v1, v2
+
+    @triton.jit
     def _split_attend(
         q_ptr, q_stride, kv_ptr, kv_stride, pos_ptr, row_ptr, loc_ptr, cos_sin_ptr, table_ptr, table_stride,
         cache_ptr, plane_stride, part_ptr, out_ptr, scale,
@@ -64,14 +82,7 @@ if triton is not None:
         end = tl.minimum(start + share, pos)  # cached tokens only
         pages = table_ptr + tl.load(row_ptr + b).to(tl.int64) * table_stride
         head = cache_ptr + h * D + dims[None, :]
-        t = start + tl.arange(0, BLOCK_N)
-        t_ok = t < end
-        page = tl.load(pages + t // PAGE, mask=t_ok, other=0).to(tl.int64)
-        tok = head + ((page * PAGE) + t % PAGE)[:, None] * (HKV * D)
-        ck1 = tl.load(tok, mask=t_ok[:, None], other=0.0)
-        ck2 = tl.load(tok + HALF, mask=t_ok[:, None], other=0.0)
-        cv1 = tl.load(tok + plane_stride, mask=t_ok[:, None], other=0.0)
-        cv2 = tl.load(tok + plane_stride + HALF, mask=t_ok[:, None], other=0.0)
+        t_ok, ck1, ck2, cv1, cv2 = _load_block(pages, head, start, end, plane_stride, HKV, HALF, PAGE, BLOCK_N)
         cos = tl.load(cos_sin_ptr + pos * D + dims)
         sin = tl.load(cos_sin_ptr + pos * D + HALF + dims)
         if PDL:
@@ -114,15 +125,8 @@ if triton is not None:
             acc1 = acc1 * alpha[:, None] + tl.sum(p[:, :, None] * cv1.to(tl.float32)[None, :, :], axis=1)
             acc2 = acc2 * alpha[:, None] + tl.sum(p[:, :, None] * cv2.to(tl.float32)[None, :, :], axis=1)
             m = m_new
-            t0 += BLOCK_N
-            t = t0 + tl.arange(0, BLOCK_N)  # the next block (none past the share: all masked)
-            t_ok = t < end
-            page = tl.load(pages + t // PAGE, mask=t_ok, other=0).to(tl.int64)
-            tok = head + ((page * PAGE) + t % PAGE)[:, None] * (HKV * D)
-            ck1 = tl.load(tok, mask=t_ok[:, None], other=0.0)
-            ck2 = tl.load(tok + HALF, mask=t_ok[:, None], other=0.0)
-            cv1 = tl.load(tok + plane_stride, mask=t_ok[:, None], other=0.0)
-            cv2 = tl.load(tok + plane_stride + HALF, mask=t_ok[:, None], other=0.0)
+            t0 += BLOCK_N  # the next block (past the share: all masked, nothing read)
+            t_ok, ck1, ck2, cv1, cv2 = _load_block(pages, head, t0, end, plane_stride, HKV, HALF, PAGE, BLOCK_N)
         if (start <= pos) & (pos < start + share):  # the new token, from registers
             x = tl.sum(q1 * k1.to(tl.float32)[None, :], axis=1) + tl.sum(q2 * k2.to(tl.float32)[None, :], axis=1)
             m_new = tl.maximum(m, x)
