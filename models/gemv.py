@@ -115,7 +115,8 @@ def supported(device: torch.device) -> bool:
 
 
 @functools.cache
-def _use_pdl(device_index: int) -> bool:
+def use_pdl(device_index: int) -> bool:
+    """Programmatic dependent launch: Hopper and later, compiled (Triton's interpreter has none)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9
@@ -145,7 +146,7 @@ def _launch(
     if rows != 1:
         raise ValueError(f"the fused GEMV takes one row, got {rows}")
     block_n, block_k, warps, stages = tile(n, k, silu)
-    pdl = _use_pdl(x.device.index or 0)
+    pdl = use_pdl(x.device.index or 0)
     _row_gemv[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, norm if norm is not None else weight, out, eps,
         N=n, K=k, BLOCK_N=block_n, BLOCK_K=block_k,

@@ -127,10 +127,10 @@ def main() -> None:
             sweep(layers, hidden, qkv, inter)
         unfused = replay_us(unfused_stack(layers, h, attn)) / len(layers)
         fused = replay_us(fused_stack(layers, h, attn)) / len(layers)
-        use_pdl = gemv._use_pdl
-        gemv._use_pdl = lambda index: False
+        use_pdl = gemv.use_pdl
+        gemv.use_pdl = lambda index: False
         no_pdl = replay_us(fused_stack(layers, h, attn)) / len(layers)
-        gemv._use_pdl = use_pdl
+        gemv.use_pdl = use_pdl
         print(f"{shape:8}: unfused {unfused:7.2f} us/layer {layer_kb / unfused:5.0f} GB/s | fused "
               f"{fused:7.2f} us {layer_kb / fused:5.0f} GB/s ({unfused / fused:.2f}x) | fused, no PDL "
               f"{no_pdl:7.2f} us ({unfused / no_pdl:.2f}x)  [{len(layers)} layers]", flush=True)

@@ -1,4 +1,4 @@
-"""Decode attention for small CUDA-graph batches (Triton): RoPE, the KV write and split-KV attention.
+"""Decode attention for one-request CUDA graphs (Triton): RoPE, the KV write and split-KV attention.
 
 At one request a layer's flashinfer decode is three kernels (RoPE + KV store, the split-KV decode,
 the merge of its splits: 2.6 + 6.5 + 3.2 us on the 1B shape, ~12 us a layer against ~40 us for all
@@ -15,17 +15,18 @@ With one split the first kernel writes the output itself. The split count is fix
 graph (the grid must not change between replays); each program's share of the sequence is computed
 on the device from the request's position, in whole blocks. Scores and the weighted sum accumulate
 in float32 on the CUDA cores (a handful of query heads per KV head gives a tensor core nothing to
-do), and both kernels use programmatic dependent launch on Hopper like ``models/gemv.py``: nothing is
-read or written before ``gdc_wait``.
+do), and both kernels use programmatic dependent launch on Hopper like ``models/gemv.py``: ahead of
+``gdc_wait`` they read only what no kernel of the step writes (positions, page table, slots, the
+layer's cached K/V: ARCHITECTURE.md, invariant 13).
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 
 import torch
+
+from models.gemv import use_pdl
 
 try:
     import triton
@@ -56,6 +57,11 @@ if triton is not None:
         return t_ok, k1, k2, v1, v2
 
     @triton.jit
+    def _share(pos, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Tokens per split of a sequence of pos + 1 tokens: whole blocks, the last share holding the new one."""
+        return tl.cdiv(tl.cdiv(pos + 1, SPLITS), BLOCK_N) * BLOCK_N
+
+    @triton.jit
     def _split_attend(
         q_ptr, q_stride, kv_ptr, kv_stride, pos_ptr, row_ptr, loc_ptr, cos_sin_ptr, table_ptr, table_stride,
         cache_ptr, plane_stride, part_ptr, out_ptr, scale,
@@ -74,8 +80,7 @@ if triton is not None:
         # before the graph) and this layer's cached tokens (written by earlier steps). The first block of the
         # cached K and V is read here, overlapping the previous kernel's tail.
         pos = tl.load(pos_ptr + b)  # the new token's position: pos cached tokens come before it
-        # This split's share of tokens [0, pos], in whole blocks; the last share also holds the new token.
-        share = tl.cdiv(tl.cdiv(pos + 1, SPLITS), BLOCK_N) * BLOCK_N
+        share = _share(pos, SPLITS, BLOCK_N)  # this split's tokens of [0, pos]
         start = s * share
         if start > pos:  # a split past the sequence: nothing to read, wait for or write (the merge skips it)
             return
@@ -127,7 +132,7 @@ if triton is not None:
             m = m_new
             t0 += BLOCK_N  # the next block (past the share: all masked, nothing read)
             t_ok, ck1, ck2, cv1, cv2 = _load_block(pages, head, t0, end, plane_stride, HKV, HALF, PAGE, BLOCK_N)
-        if (start <= pos) & (pos < start + share):  # the new token, from registers
+        if pos < start + share:  # the share holding the new token, which comes from registers
             x = tl.sum(q1 * k1.to(tl.float32)[None, :], axis=1) + tl.sum(q2 * k2.to(tl.float32)[None, :], axis=1)
             m_new = tl.maximum(m, x)
             alpha = tl.exp2(m - m_new)
@@ -158,7 +163,7 @@ if triton is not None:
         sp = tl.arange(0, SPLITS)[:, None]
         g = tl.arange(0, GROUP_P2)[None, :]
         pos = tl.load(pos_ptr + b)
-        live = sp < tl.cdiv(pos + 1, tl.cdiv(tl.cdiv(pos + 1, SPLITS), BLOCK_N) * BLOCK_N)  # _split_attend's shares
+        live = sp < tl.cdiv(pos + 1, _share(pos, SPLITS, BLOCK_N))  # the splits _split_attend wrote
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -174,20 +179,6 @@ if triton is not None:
         gg = tl.arange(0, GROUP_P2)[:, None]
         out = out_ptr + b.to(tl.int64) * (HQ * D) + (h * GROUP + gg) * D + tl.arange(0, D)[None, :]
         tl.store(out, o.to(out_ptr.dtype.element_ty), mask=gg < GROUP)
-
-
-@functools.cache
-def _use_pdl(device_index: int) -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return 8
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def supports(head_dim: int) -> bool:
@@ -226,7 +217,7 @@ def split_decode(
     kv_heads = kv.shape[2]
     group = heads // kv_heads
     out = torch.empty(batch, heads * dim, dtype=q.dtype, device=q.device)
-    pdl = _use_pdl(q.device.index or 0)
+    pdl = use_pdl(q.device.index or 0)
     block = block_tokens(group, dim)
     warps = 4 if group * dim <= 512 else 8
     _split_attend[(batch, kv_heads, splits)](
