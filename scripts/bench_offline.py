@@ -14,6 +14,8 @@ max(bytes / bandwidth, flops / peak), bytes = weights + KV read + KV written.
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import json
 import os
 import subprocess
@@ -99,6 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated TP sizes; TP > 1 runs each measurement under torchrun")
     parser.add_argument("--tp-runs", default="tpinfer,tpinfer_nccl,decode_profile",
                         help="runs repeated at each TP size > 1")
+    parser.add_argument("--patch", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                        help="set a module constant (a Python literal) in every measured process, e.g. "
+                             "models.gemv.AUTO_MAX_HIDDEN=4096")
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # internal: one measurement
     parser.add_argument("--limits", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*")
@@ -125,6 +130,7 @@ def measure(args: argparse.Namespace, run: str, limits: dict | None = None, tp: 
         # Our option is --measure, not --run: torchrun's parser would take "--run" for its "--run-path".
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tp)]
     cmd = [*launcher, __file__, "--measure", run, "--limits", json.dumps(limits or {})]
+    cmd += [x for patch in args.patch for x in ("--patch", patch)]
     cmd += [x for c in args.config for x in ("--config", c)] + args.overrides
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -176,6 +182,8 @@ def run_in_this_process(args: argparse.Namespace) -> int:
         from parallel.distributed import init_distributed
 
         init_distributed(use_cuda=True, timeout_s=600)
+    for patch in args.patch:
+        apply_patch(patch)
     result = run_one(args.measure, args)
     if result is not None:
         print("RESULT " + json.dumps(result), flush=True)
@@ -184,6 +192,16 @@ def run_in_this_process(args: argparse.Namespace) -> int:
 
         shutdown_distributed()
     return 0
+
+
+def apply_patch(patch: str) -> None:
+    """``MODULE.NAME=VALUE``: set an existing module constant to a Python literal."""
+    target, _, value = patch.partition("=")
+    module_name, _, attr = target.rpartition(".")
+    module = importlib.import_module(module_name)
+    if not value or not hasattr(module, attr):
+        raise SystemExit(f"--patch {patch!r}: expected MODULE.NAME=VALUE naming an existing constant")
+    setattr(module, attr, ast.literal_eval(value))
 
 
 def add_scaling(results: dict) -> None:

@@ -76,9 +76,9 @@ def _teacher_forced(
             first = False
         if decoding and use_graph:
             run = engine.graph_runner.pad(batch)
-            engine._prepare_inputs(run)
+            rows_pos = engine._prepare_inputs(run, graph=True)[2]
             with engine.ctx.forward_batch(run):
-                logits = engine.graph_runner.replay(run)[:n].clone().float()
+                logits = engine.graph_runner.replay(run, rows_pos)[:n].clone().float()
         else:
             engine._prepare_inputs(batch)
             batch.logits_indices = None  # every position, not only the last

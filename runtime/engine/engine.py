@@ -30,6 +30,7 @@ from parallel.state import assert_same_on_all_ranks, get_cpu_group, get_device_g
 from runtime.batch import Batch
 from runtime.config import RuntimeConfig
 from runtime.engine.attention import make_attention_backend
+from runtime.engine.decode_inputs import gather_torch
 from runtime.engine.kv_cache import DUMMY_PAGE, KVCache, compute_num_pages, page_bytes
 from runtime.engine.logprobs import LogprobPlan, LogprobsOutput, compute_logprobs, plan_logprobs
 from runtime.engine.sampler import Sampler
@@ -185,11 +186,16 @@ class Engine:
     def _stream(self) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
-    def _prepare_inputs(self, batch: Batch, plan: LogprobPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prepare_inputs(
+        self, batch: Batch, plan: LogprobPlan | None = None, graph: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Write admissions into the device pools, then gather this step's inputs from them.
 
         Everything the host contributes travels in one pinned copy; the rest is device-side indexing.
         A logprob plan adds its indices to that copy and its prompt positions to the logits indices.
+        Returns the sampled tokens' destinations in the token pool (rows, positions) and the upload's
+        leading rows and positions (``[2 * tokens]``): a CUDA graph gathers its inputs from those itself
+        (``graph``: nothing is gathered here).
         """
         ext = batch.ext_lens
         if batch.is_decode:
@@ -209,7 +215,8 @@ class Engine:
             *(plan.upload_parts() if plan is not None else ()),
         ]
         sizes = [len(p) for p in parts]
-        dev = host_to_device(np.concatenate(parts).astype(np.int64), self.device).split(sizes)
+        upload = host_to_device(np.concatenate(parts).astype(np.int64), self.device)
+        dev = upload.split(sizes)
         rows, pos, sample_rows, kv_lens, last_idx, a_rows, a_cols, a_tok, p_rows, p_cols, p_ids = dev[:11]
         if len(a_rows):
             self.token_pool[a_rows, a_cols] = a_tok.int()
@@ -217,13 +224,12 @@ class Engine:
             self.page_table[p_rows, p_cols] = p_ids.int()
         if plan is not None:
             plan.bind(list(dev[11:]), self.token_pool)  # prompt targets: read after admissions are written
-        page = self.page_size
-        batch.input_ids = self.token_pool[rows, pos]
-        batch.positions = pos
-        batch.out_loc = self.page_table[rows, pos // page].long() * page + pos % page
-        batch.req_rows = rows if batch.is_decode else None
-        batch.logits_indices = None if batch.is_decode else last_idx
-        return sample_rows, kv_lens
+        if not graph:
+            batch.input_ids, batch.out_loc = gather_torch(self.token_pool, self.page_table, rows, pos, self.page_size)
+            batch.positions = pos
+            batch.req_rows = rows if batch.is_decode else None
+            batch.logits_indices = None if batch.is_decode else last_idx
+        return sample_rows, kv_lens, upload[: len(rows) + len(pos)]
 
     def forward_batch(self, batch: Batch) -> ForwardOutput:
         n = batch.size
@@ -231,11 +237,11 @@ class Engine:
             use_graph = self.graph_runner is not None and self.graph_runner.can_use(batch)
             run = self.graph_runner.pad(batch) if use_graph else batch
             plan = plan_logprobs(batch, self.dummy_row)
-            sample_rows, kv_lens = self._prepare_inputs(run, plan)
+            sample_rows, kv_lens, rows_pos = self._prepare_inputs(run, plan, graph=use_graph)
             args = self.sampler.prepare(batch)
             with self.ctx.forward_batch(run):
                 if use_graph:
-                    logits = self.graph_runner.replay(run)
+                    logits = self.graph_runner.replay(run, rows_pos)
                 else:
                     self.attn_backend.prepare(run)
                     logits = self.model.forward()

@@ -3,7 +3,9 @@
 Batch sizes ``[1, 2, 4, 8, 16, 24, ...]`` up to a maximum are captured largest
 first into one shared memory pool, each after a warm-up run. Inputs live in
 static buffers and logits in one preallocated buffer (model dtype); a live batch is padded to
-the next captured size with dummy requests on the reserved dummy row/page.
+the next captured size with dummy requests on the reserved dummy row/page. A replay copies in
+only the rows and positions; the graph gathers its token ids and cache slots from the device
+pools itself (``runtime.engine.decode_inputs``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 
 from runtime.batch import Batch
+from runtime.engine.decode_inputs import gather_into
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -31,9 +34,10 @@ class GraphRunner:
         self.max_bs = self.bs_list[-1]
         dev = engine.device
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.int32, device=dev)
-        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.out_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        self.req_rows = torch.full((self.max_bs,), engine.dummy_row, dtype=torch.int64, device=dev)
+        # The graph of size bs reads rows from [:bs] and positions from [bs:2 * bs] (the upload's layout):
+        # dummy rows at position 0 until a replay copies a batch in.
+        self.rows_pos = torch.zeros(2 * self.max_bs, dtype=torch.int64, device=dev)
         # In the model's dtype: consumers upcast where they need to (sampling, logprobs), and a float32 buffer
         # would cost a conversion pass over [batch, vocab] every step.
         self.logits = torch.zeros(self.max_bs, engine.model_config.vocab_size, dtype=engine.dtype, device=dev)
@@ -70,9 +74,16 @@ class GraphRunner:
         return batch
 
     def _bind_static(self, batch: Batch, bs: int) -> None:
-        batch.input_ids, batch.positions, batch.out_loc = self.input_ids[:bs], self.positions[:bs], self.out_loc[:bs]
-        batch.req_rows = self.req_rows[:bs]
+        batch.input_ids, batch.out_loc = self.input_ids[:bs], self.out_loc[:bs]
+        batch.req_rows, batch.positions = self.rows_pos[:bs], self.rows_pos[bs:2 * bs]
         batch.logits_indices = None
+
+    def _step(self, bs: int) -> None:
+        """What a graph of size bs runs: gather the inputs of the rows and positions copied in, the model."""
+        e = self.engine
+        gather_into(e.token_pool, e.page_table, self.rows_pos[:2 * bs], e.page_size, self.input_ids[:bs],
+                    self.out_loc[:bs])
+        self.logits[:bs] = e.model.forward()
 
     def _capture_all(self) -> None:
         e = self.engine
@@ -81,11 +92,13 @@ class GraphRunner:
             e.attn_backend.init_graph(bs, e.max_pages_per_req)
             batch = self._dummy_batch(bs)
             e.attn_backend.prepare_graph(batch)
+            self.rows_pos[:bs] = e.dummy_row  # the warm-up and the capture run on dummy requests
+            self.rows_pos[bs:2 * bs] = 0
             with e.ctx.forward_batch(batch):
-                self.logits[:bs] = e.model.forward()  # warm-up: lazy allocations and kernel loads
+                self._step(bs)  # warm-up: lazy allocations and kernel loads
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=e.stream):
-                    self.logits[:bs] = e.model.forward()
+                    self._step(bs)
             if pool is None:
                 pool = graph.pool()
             self.graphs[bs] = graph
@@ -98,13 +111,11 @@ class GraphRunner:
             graph.reset()
         self.graphs.clear()
 
-    def replay(self, batch: Batch) -> torch.Tensor:
-        """Run a padded decode batch whose inputs the engine has prepared; returns its logits."""
+    def replay(self, batch: Batch, rows_pos: torch.Tensor) -> torch.Tensor:
+        """Run a padded decode batch; ``rows_pos``: its page-table rows, then its positions (int64, on the
+        device, from the engine's upload). Returns its logits."""
         bs = batch.padded_size
-        self.input_ids[:bs].copy_(batch.input_ids)
-        self.positions[:bs].copy_(batch.positions)
-        self.out_loc[:bs].copy_(batch.out_loc)
-        self.req_rows[:bs].copy_(batch.req_rows)
+        self.rows_pos[:2 * bs].copy_(rows_pos)
         self.engine.attn_backend.prepare_graph(batch)
         self.graphs[bs].replay()
         return self.logits[:bs]

@@ -16,8 +16,8 @@ graph (the grid must not change between replays); each program's share of the se
 on the device from the request's position, in whole blocks. Scores and the weighted sum accumulate
 in float32 on the CUDA cores (a handful of query heads per KV head gives a tensor core nothing to
 do), and both kernels use programmatic dependent launch on Hopper like ``models/gemv.py``: ahead of
-``gdc_wait`` they read only what no kernel of the step writes (positions, page table, slots, the
-layer's cached K/V: ARCHITECTURE.md, invariant 13).
+``gdc_wait`` they read only what no PDL kernel of the step writes (positions, page table, the layer's
+cached K/V: ARCHITECTURE.md, invariant 13; the new token's slot is read after it).
 """
 
 from __future__ import annotations
@@ -76,9 +76,9 @@ if triton is not None:
         g = tl.arange(0, GROUP_P2)
         g_ok = g < GROUP
         dtype = cache_ptr.dtype.element_ty
-        # Before gdc_wait, only what no kernel of this step writes: the position, page table and slot (copied in
-        # before the graph) and this layer's cached tokens (written by earlier steps). The first block of the
-        # cached K and V is read here, overlapping the previous kernel's tail.
+        # Before gdc_wait, only what no PDL kernel of this step writes: the position and page table (complete
+        # before the first layer starts) and this layer's cached tokens (written by earlier steps). The first
+        # block of the cached K and V is read here, overlapping the previous kernel's tail.
         pos = tl.load(pos_ptr + b)  # the new token's position: pos cached tokens come before it
         share = _share(pos, SPLITS, BLOCK_N)  # this split's tokens of [0, pos]
         start = s * share
@@ -165,8 +165,10 @@ if triton is not None:
         pos = tl.load(pos_ptr + b)
         live = sp < tl.cdiv(pos + 1, _share(pos, SPLITS, BLOCK_N))  # the splits _split_attend wrote
         if PDL:
-            tl.extra.cuda.gdc_wait()
+            # The successor (the o GEMV) may start now, while the splits still run: it waits for this
+            # kernel before reading its output, and meanwhile prefetches weights (models/gemv.py).
             tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         part = part_ptr + (((b * HKV + h) * SPLITS + sp) * GROUP_P2 + g).to(tl.int64) * (D + 2)  # [SPLITS, G]
         m = tl.load(part + D, mask=live, other=float("-inf"))
         lsum = tl.load(part + D + 1, mask=live, other=0.0)
