@@ -1,6 +1,6 @@
 """A CUDA graph's input gather (runtime/engine/decode_inputs.py) against plain indexing, on CPU through
-Triton's interpreter (conftest sets TRITON_INTERPRET=1 where there is no GPU; the GPU suites replay it in
-every decode graph)."""
+Triton's interpreter (conftest sets TRITON_INTERPRET=1 where there is no GPU), and compiled on a GPU
+(``pytest -m gpu``); the GPU suites also replay it in every decode graph."""
 
 from __future__ import annotations
 
@@ -9,9 +9,13 @@ import torch
 
 from runtime.engine import decode_inputs
 
+# Compiled Triton takes CUDA tensors only; the interpreter runs where there is no GPU.
+DEVICES = [pytest.param("cuda", marks=pytest.mark.gpu)] + ([] if torch.cuda.is_available() else ["cpu"])
 
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bs, page", [(1, 16), (5, 16), (24, 1), (1100, 32)])
-def test_gather_into_matches_indexing(bs: int, page: int) -> None:
+def test_gather_into_matches_indexing(bs: int, page: int, device: str) -> None:
     gen = torch.Generator().manual_seed(bs)
     rows_total, max_len = bs + 3, 300
     pool = torch.randint(0, 50000, (rows_total, max_len + 1), generator=gen, dtype=torch.int32)
@@ -20,7 +24,9 @@ def test_gather_into_matches_indexing(bs: int, page: int) -> None:
     pos = torch.randint(0, max_len, (bs,), generator=gen)
     pos[0] = max_len - 1  # the last page of a row
     ids, slots = torch.full((bs,), -1, dtype=torch.int32), torch.full((bs,), -1, dtype=torch.int64)
-    decode_inputs.gather_into(pool, table, torch.cat((rows, pos)), page, ids, slots)
+    dev = [t.to(device) for t in (pool, table, torch.cat((rows, pos)), ids, slots)]
+    decode_inputs.gather_into(dev[0], dev[1], dev[2], page, dev[3], dev[4])
+    ids, slots = dev[3].cpu(), dev[4].cpu()
     want_ids = torch.tensor([int(pool[r, p]) for r, p in zip(rows.tolist(), pos.tolist())], dtype=torch.int32)
     want_slots = torch.tensor([int(table[r, p // page]) * page + p % page for r, p in zip(rows.tolist(), pos.tolist())])
     assert torch.equal(ids, want_ids)
