@@ -165,10 +165,8 @@ if triton is not None:
         pos = tl.load(pos_ptr + b)
         live = sp < tl.cdiv(pos + 1, _share(pos, SPLITS, BLOCK_N))  # the splits _split_attend wrote
         if PDL:
-            # The successor (the o GEMV) may start now, while the splits still run: it waits for this
-            # kernel before reading its output, and meanwhile prefetches weights (models/gemv.py).
-            tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         part = part_ptr + (((b * HKV + h) * SPLITS + sp) * GROUP_P2 + g).to(tl.int64) * (D + 2)  # [SPLITS, G]
         m = tl.load(part + D, mask=live, other=float("-inf"))
         lsum = tl.load(part + D + 1, mask=live, other=0.0)
