@@ -35,8 +35,7 @@ class GraphRunner:
         dev = engine.device
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.int32, device=dev)
         self.out_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        # The graph of size bs reads rows from [:bs] and positions from [bs:2 * bs] (the upload's layout):
-        # dummy rows at position 0 until a replay copies a batch in.
+        # The graph of size bs reads rows from [:bs] and positions from [bs:2 * bs] (the upload's layout).
         self.rows_pos = torch.zeros(2 * self.max_bs, dtype=torch.int64, device=dev)
         # In the model's dtype: consumers upcast where they need to (sampling, logprobs), and a float32 buffer
         # would cost a conversion pass over [batch, vocab] every step.
@@ -70,13 +69,10 @@ class GraphRunner:
             top_k=zeros, top_p=np.ones(bs, np.float32), seeds=np.zeros(bs, np.int64), seeded=np.zeros(bs, bool),
         )
         batch.padded_size = bs
-        self._bind_static(batch, bs)
-        return batch
-
-    def _bind_static(self, batch: Batch, bs: int) -> None:
+        # The graph's inputs are its static buffers; the warm-up and the capture run on dummy requests at 0.
         batch.input_ids, batch.out_loc = self.input_ids[:bs], self.out_loc[:bs]
-        batch.req_rows, batch.positions = self.rows_pos[:bs], self.rows_pos[bs:2 * bs]
-        batch.logits_indices = None
+        batch.req_rows, batch.positions = self.rows_pos[:bs].fill_(e.dummy_row), self.rows_pos[bs:2 * bs].zero_()
+        return batch
 
     def _step(self, bs: int) -> None:
         """What a graph of size bs runs: gather the inputs of the rows and positions copied in, the model."""
@@ -92,8 +88,6 @@ class GraphRunner:
             e.attn_backend.init_graph(bs, e.max_pages_per_req)
             batch = self._dummy_batch(bs)
             e.attn_backend.prepare_graph(batch)
-            self.rows_pos[:bs] = e.dummy_row  # the warm-up and the capture run on dummy requests
-            self.rows_pos[bs:2 * bs] = 0
             with e.ctx.forward_batch(batch):
                 self._step(bs)  # warm-up: lazy allocations and kernel loads
                 graph = torch.cuda.CUDAGraph()
