@@ -80,6 +80,20 @@ def wait_done(env: dict[str, str], job_id: str, timeout: float = 300) -> dict[st
     return job(env, job_id)
 
 
+def warn_batch(slurm: dict, job_id: str) -> None:
+    """USR1 to the batch shell (the time-limit warning). slurmctld refuses signals while a job changes state
+    ("Job can not be altered now, try again later", e.g. just after a requeue): retry those, for up to 60 s."""
+    deadline = time.monotonic() + 60
+    while True:
+        proc = subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm, capture_output=True,
+                              text=True)
+        if proc.returncode == 0:
+            return
+        if "try again later" not in proc.stderr or time.monotonic() > deadline:
+            raise AssertionError(f"scancel --signal=USR1 failed: {proc.stderr.strip()}")
+        time.sleep(1)
+
+
 def wait_for_requeued_run(env: dict[str, str], job_id: str, restarts: int) -> None:
     """A requeued job starts again after Slurm's requeue delay (about 120 s). Not forced earlier with
     StartTime=now: the old allocation's credential is still revoked then, and Slurm kills the job as
@@ -104,7 +118,7 @@ def test_preemption_drains_requeues_and_the_next_attempt_finishes(slurm, tiny_mo
     out = tmp_path / "out.jsonl"
     job_id = submit(slurm, tiny_model, _rows(tmp_path / "rows.jsonl", 16, 40, 60), out)
     wait_until(lambda: out.exists() and out.read_text().strip(), 180, "the first row")
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm, check=True)  # the time-limit warning
+    warn_batch(slurm, job_id)  # the time-limit warning
     wait_for_requeued_run(slurm, job_id, 1)
     info = wait_done(slurm, job_id)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1"
@@ -135,10 +149,10 @@ def test_max_requeues_stops_a_job_that_never_finishes(slurm, tiny_model, tmp_pat
     job_id = submit(slurm, tiny_model, _rows(tmp_path / "rows.jsonl", 16, 1900, 0), out, MAX_REQUEUES="1")
     wait_until(lambda: job(slurm, job_id).get("JobState") == "RUNNING", 180, "attempt 1")
     time.sleep(5)  # the batch shell has installed its traps
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm, check=True)
+    warn_batch(slurm, job_id)
     wait_for_requeued_run(slurm, job_id, 1)
     time.sleep(5)
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm, check=True)
+    warn_batch(slurm, job_id)
     info = wait_done(slurm, job_id)
     time.sleep(3)  # a requeue would show up as PENDING now
     assert job(slurm, job_id)["JobState"] != "COMPLETED" and info["Restarts"] == "1"
