@@ -2,8 +2,8 @@
 
 At one row a decoder layer is bound by reading its weights; unfused, cuBLAS's GEMVs read the 1B
 shape's at ~2.5 TB/s and two fused add + RMSNorms and a SiLU x mul run between them. Here a layer is
-four weight passes and nothing else but attention (1B: 40.8 against 49.2 us a layer, 3.0 TB/s;
-benchmarks/README.md):
+four weight passes and nothing else but attention (1B: 35.4 against 49.3 us a layer, 3.4 TB/s; 8B: 105
+against 124 us, 4.2 TB/s; benchmarks/README.md):
 
 - ``norm_linear``: ``rmsnorm(h) @ W.T (+ b)``: each program recomputes the row's RMS as it streams
   ``h`` (a few KB), so the norm needs no kernel and no output of its own;
@@ -97,18 +97,6 @@ if triton is not None:
         tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-# Batch-1 decode step on the H200, fused against unfused (scripts/bench_offline.py --runs
-# batch1_decode,batch1_decode_unfused): SmolLM2-135M (hidden 576) 0.86 against 1.20 ms, Llama-3.2-1B
-# (2048) 1.03 against 1.27 ms, Llama-3.1-8B (4096) 5.13 against 5.04 ms, where cuBLAS already reads
-# the large weights at ~3.5 TB/s.
-AUTO_MAX_HIDDEN = 2048
-
-
-def pays_off(hidden_size: int) -> bool:
-    """Whether ``engine.fused_gemv=auto`` takes the fused path for a model of this width."""
-    return hidden_size <= AUTO_MAX_HIDDEN
-
-
 def supported(device: torch.device) -> bool:
     """Whether the fused kernels can run on ``device`` (Triton present, a CUDA device)."""
     return triton is not None and device.type == "cuda"
@@ -122,20 +110,34 @@ def use_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+# Swept shapes whose best tiles beat the rule below in the engine, (n, k, silu) -> (BLOCK_N, BLOCK_K,
+# num_warps, num_stages). scripts/bench_gemv.py --sweep times the whole layer stack with one kernel's tile
+# changed at a time (benchmarks/gemv-tiles.json). Llama-3.1-8B: the stack 104.7 against 118.8 us a layer
+# with the rule, the batch-1 step 4.02 against 4.52 ms. The 1B shape's bests (34.3 against 35.2 us in the
+# stack) lost in the engine (steady step 0.881 against 0.845 ms, qkv's tile alone 0.871) and SmolLM2's
+# did not combine (8.39 against 8.25 us): both keep the rule.
+TUNED_TILES: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
+    (6144, 4096, False): (16, 512, 8, 4), (4096, 4096, False): (8, 2048, 8, 2),  # qkv, o
+    (14336, 4096, True): (1, 1024, 2, 3), (4096, 14336, False): (4, 1024, 2, 4),  # gate_up, down
+}
+
+
 def tile(n: int, k: int, silu: bool) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an ``[n, k]`` weight (``[2n, k]`` with ``silu``).
 
-    From sweeps on the H200 at the 1B and 8B shapes (scripts/bench_gemv.py --sweep, benchmarks/README.md):
-    four stages of loads in flight; where a program reads a gate and an up tile, 4 rows of each in 256-wide
-    K blocks over 4 warps; elsewhere 512-wide blocks over 8 warps and as many rows (up to 16) as still
-    leave ~400 programs, except over long reductions (down: K >= 8192), where 4 rows win.
+    A swept shape's best tile, else a rule from the same sweeps: a gate and an up row per program in
+    512-wide blocks over 4 warps, 3 in flight; reductions up to 2048 long in one block, so that the whole
+    tile is read before ``gdc_wait``, during the previous kernel's tail; longer ones in 1024-wide blocks, 6
+    in flight, which keeps enough bytes in flight per SM to read at ~4 TB/s.
     """
+    tuned = TUNED_TILES.get((n, k, silu))
+    if tuned:
+        return tuned
     if silu:
-        return 4, min(256, triton.next_power_of_2(k)), 4, 4
-    block_n = 16
-    while block_n > 4 and (n // block_n < 384 or k >= 8192):
-        block_n //= 2
-    return block_n, min(512, triton.next_power_of_2(k)), 8, 4
+        return 1, min(512, triton.next_power_of_2(k)), 4, 3
+    if k <= 2048:
+        return 4, triton.next_power_of_2(k), 8, 2
+    return 4, 1024, 8, 6
 
 
 def _launch(

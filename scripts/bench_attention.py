@@ -90,8 +90,7 @@ def triton_impl(a: argparse.Namespace, c: dict, splits: int | None) -> Callable:
 
     q, kv = qkv_views(a, c["qkv"])
     splits = splits or sd.num_splits(a.batch, a.kv_heads, a.heads // a.kv_heads, a.head_dim, a.kv_max)
-    ws = torch.empty(sd.workspace_floats(a.batch, a.kv_heads, a.heads // a.kv_heads, a.head_dim, splits),
-                     dtype=torch.float32, device=q.device)
+    ws = sd.new_workspace(a.batch, a.kv_heads, a.heads // a.kv_heads, a.head_dim, splits, q.device)
     rows = torch.arange(a.batch, device=q.device)
     cos_sin = cos_sin_table(a, c)
     return lambda: sd.split_decode(q, kv, c["positions"], rows, c["out_loc"], cos_sin, c["table"], c["kv"], ws,

@@ -7,14 +7,16 @@ qkv, o, gate_up and down, flashinfer's SiLU x mul. Fused is models/gemv.py's fou
 programmatic dependent launch and without. A layer's attention is left out (its input is a fixed
 tensor), so the numbers are the weight passes and what sits between them. Each shape is stacked into
 enough layers that the weights pass 1 GB, so L2 (50 MB) never serves them; one graph replays the whole
-stack. Reported: microseconds per layer and the weight bytes over that time. ``--sweep`` times each
-fused kernel alone over a grid of tiles (the default tile of ``models.gemv.tile`` is marked).
+stack. Reported: microseconds per layer and the weight bytes over that time. ``--sweep`` times the
+stack with one fused kernel's tile changed at a time, over a grid of tiles (compiled first in
+``--workers`` processes), against ``models.gemv.tile``'s defaults.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -47,10 +49,11 @@ def replay_us(fn: Callable[[], None], repeats: int = 20) -> float:
     return (time.perf_counter() - start) / repeats * 1e6
 
 
-def make_layers(hidden: int, qkv: int, inter: int) -> list[dict[str, torch.Tensor]]:
+def make_layers(hidden: int, qkv: int, inter: int, count: int = 0) -> list[dict[str, torch.Tensor]]:
+    """``count`` layers of random weights; by default enough that the stack passes 1 GB."""
     dev, dt = torch.device("cuda"), torch.bfloat16
     per_layer = 2 * hidden * (qkv + hidden + 3 * inter)
-    count = max(4, min(64, int(1e9 // per_layer) + 1))
+    count = count or max(4, min(64, int(1e9 // per_layer) + 1))
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=dev, dtype=dt) * 0.02
@@ -86,37 +89,109 @@ def fused_stack(layers: list[dict], h: torch.Tensor, attn: torch.Tensor) -> Call
     return run
 
 
-def sweep(layers: list[dict], hidden: int, qkv: int, inter: int) -> None:
-    """Each fused kernel alone over the stack, per tile, against the default tile."""
+KernelKey = tuple[int, int, bool]  # (n, k, silu): the arguments models.gemv.tile sees
+Tile = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
+
+
+def kernel_keys(hidden: int, qkv: int, inter: int) -> dict[str, KernelKey]:
+    return {"qkv": (qkv, hidden, False), "o": (hidden, hidden, False), "gate_up": (inter, hidden, True),
+            "down": (hidden, inter, False)}
+
+
+def candidate_tiles(n: int, k: int, silu: bool) -> list[Tile]:
+    """Tiles worth timing: 8-64 weight elements a thread per block, at least 128 programs; stages only where
+    the reduction takes more than one block (with one block the whole tile is read before gdc_wait)."""
+    tiles = []
+    for bn, bk, warps, stages in itertools.product([1, 2, 4, 8, 16], [256, 512, 1024, 2048], [2, 4, 8], [2, 3, 4, 6]):
+        per_thread = bn * (2 if silu else 1) * bk / (32 * warps)
+        if bk <= k and (k > bk or stages == 2) and 8 <= per_thread <= 64 and n // bn >= 128:
+            tiles.append((bn, bk, warps, stages))
+    return tiles
+
+
+def patched_tile(overrides: dict[KernelKey, Tile]) -> Callable[[int, int, bool], Tile]:
+    default = gemv.tile
+
+    def tile(n: int, k: int, silu: bool) -> Tile:
+        return overrides.get((n, k, silu)) or default(n, k, silu)
+
+    return tile
+
+
+def _precompile(shape: tuple[int, int, int], work: list[tuple[str, Tile]]) -> None:
+    """Worker: run each (kernel, tile) once so that Triton's on-disk cache holds it for the parent."""
+    hidden, qkv, inter = shape
+    keys = kernel_keys(hidden, qkv, inter)
+    layer = make_layers(hidden, qkv, inter, count=1)[0]
     h = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
     act = torch.randn(1, inter, device="cuda", dtype=torch.bfloat16)
-    kernels = {
-        "qkv": (qkv, hidden, lambda w: gemv.norm_linear(h, w["n1"], 1e-5, w["qkv"], None)),
-        "o": (hidden, hidden, lambda w: gemv.linear_add_(h[:, :hidden], w["o"], None, h)),
-        "gate_up": (inter, hidden, lambda w: gemv.norm_linear_silu(h, w["n2"], 1e-5, w["gate_up"], None)),
-        "down": (hidden, inter, lambda w: gemv.linear_add_(act, w["down"], None, h)),
+    calls = kernel_calls(h, act, hidden)
+    default = gemv.tile
+    for name, tile in work:
+        gemv.tile = patched_tile({keys[name]: tile})
+        calls[name](layer)
+    gemv.tile = default
+    torch.cuda.synchronize()
+
+
+def kernel_calls(h: torch.Tensor, act: torch.Tensor, hidden: int) -> dict[str, Callable[[dict], object]]:
+    return {
+        "qkv": lambda w: gemv.norm_linear(h, w["n1"], 1e-5, w["qkv"], None),
+        "o": lambda w: gemv.linear_add_(h[:, :hidden], w["o"], None, h),
+        "gate_up": lambda w: gemv.norm_linear_silu(h, w["n2"], 1e-5, w["gate_up"], None),
+        "down": lambda w: gemv.linear_add_(act, w["down"], None, h),
     }
+
+
+def sweep(layers: list[dict], hidden: int, qkv: int, inter: int, workers: int,
+          record: dict | None = None) -> dict[str, Tile]:
+    """Each fused kernel's tile swept inside the whole layer stack (the other kernels at their default tile,
+    so the dependent-launch overlap with neighbours is what a step sees); returns the best tile per kernel."""
+    import multiprocessing
+
+    keys = kernel_keys(hidden, qkv, inter)
+    work = [(name, t) for name, key in keys.items() for t in candidate_tiles(*key)]
+    started = time.perf_counter()
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        pool.starmap(_precompile, [((hidden, qkv, inter), work[i::workers]) for i in range(workers)])
+    print(f"  compiled {len(work)} tiles in {time.perf_counter() - started:.0f} s", flush=True)
+    h = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+    attn = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+    stack = fused_stack(layers, h, attn)
     default_tile = gemv.tile
-    for name, (n, k, call) in kernels.items():
-        mb = 2 * n * k * (2 if name == "gate_up" else 1) / 1e3
-        results = []
-        default = default_tile(n, k, name == "gate_up")
-        for config in [default, *itertools.product([4, 8, 16], [256, 512], [4, 8], [2, 4])]:
-            gemv.tile = lambda n_, k_, silu_, t=config: t
-            us = replay_us(lambda call=call: [call(w) for w in layers]) / len(layers)
-            results.append((us, config))
-        gemv.tile = default_tile
-        best = min(results)
-        top = ", ".join(f"{t} {us:.2f}" for us, t in sorted(results)[1:4])
-        print(f"  sweep {name:8}: best {best[0]:6.2f} us {mb / best[0]:5.0f} GB/s {best[1]} | default {default} "
-              f"{results[0][0]:.2f} us | next: {top}", flush=True)
+
+    def stack_us(overrides: dict[KernelKey, Tile], repeats: int = 50) -> float:
+        gemv.tile = patched_tile(overrides)
+        try:
+            return replay_us(stack, repeats) / len(layers)
+        finally:
+            gemv.tile = default_tile
+
+    base = min(stack_us({}) for _ in range(3))
+    best: dict[str, Tile] = {}
+    for name, key in keys.items():
+        results = sorted((stack_us({key: t}), t) for t in candidate_tiles(*key))
+        if record is not None:
+            record[name] = {"default": default_tile(*key), "stack_us": base, "tiles": results}
+        # the leaders again, three times each: one replay loop can catch a slow moment
+        leaders = sorted((min(stack_us({key: t}) for _ in range(3)), t) for _, t in results[:6])
+        best[name] = leaders[0][1]
+        top = ", ".join(f"{t} {us:.2f}" for us, t in leaders[:4])
+        print(f"  sweep {name:8}: default {default_tile(*key)} stack {base:.2f} us/layer | best {top}", flush=True)
+    overrides = {keys[name]: t for name, t in best.items()}
+    print(f"  all four best tiles: {min(stack_us(overrides) for _ in range(3)):.2f} against {base:.2f} us/layer "
+          f"(defaults) | {best}", flush=True)
+    return best
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="1B,8B,SmolLM2")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--workers", type=int, default=12, help="processes compiling the swept tiles")
+    parser.add_argument("--sweep-json", default=None, help="write every swept tile's time here")
     args = parser.parse_args()
+    record: dict[str, dict] = {}
     for shape in args.shapes.split(","):
         hidden, qkv, inter = SHAPES[shape]
         layers = make_layers(hidden, qkv, inter)
@@ -124,7 +199,7 @@ def main() -> None:
         h = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
         attn = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
         if args.sweep:
-            sweep(layers, hidden, qkv, inter)
+            sweep(layers, hidden, qkv, inter, args.workers, record.setdefault(shape, {}))
         unfused = replay_us(unfused_stack(layers, h, attn)) / len(layers)
         fused = replay_us(fused_stack(layers, h, attn)) / len(layers)
         use_pdl = gemv.use_pdl
@@ -136,6 +211,8 @@ def main() -> None:
               f"{no_pdl:7.2f} us ({unfused / no_pdl:.2f}x)  [{len(layers)} layers]", flush=True)
         del layers
         torch.cuda.empty_cache()
+    if args.sweep_json:
+        Path(args.sweep_json).write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

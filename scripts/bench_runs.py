@@ -21,10 +21,12 @@ class StepLog:
     kv_read: list[int] = field(default_factory=list)  # sum of kv lengths (tokens) attended
     attn_pairs: list[int] = field(default_factory=list)  # sum of q_len * kv_len
     decode: list[bool] = field(default_factory=list)
+    scheduled_at: list[float] = field(default_factory=list)  # perf_counter when the step was handed over
 
     def __call__(self, batch) -> None:  # noqa: ANN001
         if batch is None:
             return
+        self.scheduled_at.append(time.perf_counter())
         ext, kv = batch.ext_lens.astype(np.int64), batch.kv_lens.astype(np.int64)
         self.tokens.append(int(ext.sum()))
         self.kv_read.append(int(kv.sum()))
@@ -176,9 +178,11 @@ def release(llm) -> None:  # noqa: ANN001 - runtime.LLM
     torch.cuda.empty_cache()
 
 
-def batch1_step_time(cfg: BenchConfig, graphs: bool) -> tuple[float, int]:
-    """Seconds per decode step of a single request (graph replay versus eager), and the weight bytes
-    a step reads (as the roofline counts them)."""
+def batch1_step_time(cfg: BenchConfig, graphs: bool) -> tuple[float, float, int]:
+    """Seconds per decode step of a single request (graph replay versus eager): the whole run over its
+    decode steps (prefill and the run's start and end included), and the median interval between two
+    decode steps being scheduled (the steady state, which the GPU paces once the host is ahead); and the
+    weight bytes a step reads (as the roofline counts them)."""
     from runtime import LLM, SamplingParams
 
     cfg.engine.cuda_graph_max_bs = 8 if graphs else 0
@@ -191,9 +195,11 @@ def batch1_step_time(cfg: BenchConfig, graphs: bool) -> tuple[float, int]:
     llm.run([(0, [5, 6, 7, 8], params)], on_batch=log)
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / max(sum(log.decode), 1)
+    decode_at = [t for t, decode in zip(log.scheduled_at, log.decode) if decode]
+    steady = float(np.median(np.diff(decode_at))) if len(decode_at) > 1 else seconds
     weight_bytes = llm.engine.weight_bytes
     release(llm)
-    return seconds, weight_bytes
+    return seconds, steady, weight_bytes
 
 
 def run_hf(cfg: BenchConfig, mode: str) -> dict:

@@ -37,6 +37,36 @@ def gpu_timeline(prof: torch.profiler.profile, steps: int) -> str:
             f"{span / 1e3:.2f} ms ({busy / 1e3 / steps:.3f} ms a step busy, {(span - busy) / 1e3 / steps:.3f} ms idle)")
 
 
+def critical_path(prof: torch.profiler.profile, steps: int, layers: int) -> str:
+    """Each kernel's end after the end of the kernel launched before it (the time it adds to the chain when
+    kernels overlap under programmatic dependent launch), median per kernel and position in the layer: a
+    kernel launched k times a layer is told apart by its launch index modulo k (qkv, o, gate_up, down)."""
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+    counts: dict[str, int] = {}
+    for _, _, name in kernels:
+        counts[name] = counts.get(name, 0) + 1
+    seen: dict[str, int] = {}
+    added: dict[str, list[float]] = {}
+    prev_end = None
+    for _, end, name in kernels:
+        per_layer = max(1, round(counts[name] / (steps * layers)))
+        index = seen.get(name, 0)
+        seen[name] = index + 1
+        label = name[:48] + (f" [{index % per_layer}]" if per_layer > 1 else "")
+        if prev_end is not None:
+            added.setdefault(label, []).append(end - prev_end)
+        prev_end = end
+    rows = sorted(added.items(), key=lambda kv: -sum(kv[1]))
+    lines = ["critical path (us added per launch: median, and total a step):"]
+    for label, deltas in rows[:24]:
+        deltas.sort()
+        lines.append(f"  {label:54} {deltas[len(deltas) // 2]:8.2f} {sum(deltas) / steps:9.1f}  x{len(deltas) / steps:.0f}")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", action="append", required=True)
@@ -59,6 +89,7 @@ def main() -> int:
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows))
     print(gpu_timeline(prof, args.new_tokens))
+    print(critical_path(prof, args.new_tokens, llm.model_config.num_layers))
     if args.trace:
         prof.export_chrome_trace(args.trace)
     return 0

@@ -45,7 +45,9 @@ def test_rope_and_store_matches_torch_reference(heads, kv_heads, dim, fused_q):
 
 
 # The fused small-batch GEMVs (models/gemv.py), compiled, with programmatic dependent launch on Hopper.
-GEMV_SHAPES = [(3072, 2048), (2048, 8192), (4096, 14336), (960, 576)]  # 1B qkv and down, 8B down, SmolLM2 qkv
+# 1B qkv and down; 8B qkv, o, gate_up and down (its tuned tiles); Qwen2.5-7B's qkv (the rule); SmolLM2 qkv
+GEMV_SHAPES = [(3072, 2048), (2048, 8192), (6144, 4096), (4096, 4096), (14336, 4096), (4096, 14336), (4608, 3584),
+               (960, 576)]
 
 
 def _rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -133,23 +135,31 @@ def test_split_decode_matches_float64(heads, kv_heads, dim, positions, splits):
     assert torch.equal(flat[1, case["out_loc"]].cpu(), v_ref.cpu())
 
 
-def test_split_decode_replays_in_a_cuda_graph_with_new_positions():
-    """Captured once, replayed after the positions, rows and slots changed: equal to an eager call."""
+@pytest.mark.parametrize("merge_in_last_split", [True, False])
+def test_split_decode_replays_in_a_cuda_graph_with_new_positions(merge_in_last_split, monkeypatch):
+    """Captured once over one workspace, replayed three times after the positions, rows and slots changed:
+    equal to an eager call each time (with the merge in the last split, every replay finds its counters
+    back at zero)."""
+    from runtime.engine.attention import split_decode as sd
     from tests.test_split_decode import make_case, run
 
+    monkeypatch.setattr(sd, "MERGE_IN_LAST_SPLIT", merge_in_last_split)
     case = make_case(32, 8, 64, [100, 5, 1700, 31], 16, torch.bfloat16, device="cuda", seed=9)
     fresh = make_case(32, 8, 64, [640, 1700, 2, 47], 16, torch.bfloat16, device="cuda", seed=9)
     static = {k: case[k] for k in ("pos", "rows", "out_loc")}
-    run(case, 8)
+    workspace = sd.new_workspace(4, 8, 4, 64, 8, torch.device("cuda"))
+    run(case, 8, workspace)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = run(case, 8)
+        out = run(case, 8, workspace)
     for k in static:
         static[k].copy_(fresh[k])
     case["table"].copy_(fresh["table"])
-    case["cache"].buffer.copy_(fresh["cache"].buffer)
-    case["qkv"].copy_(fresh["qkv"])
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, run(fresh, 8))
+    expected = run(fresh, 8)
+    for _ in range(3):
+        case["cache"].buffer.copy_(fresh["cache"].buffer)
+        case["qkv"].copy_(fresh["qkv"])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)

@@ -67,11 +67,11 @@ def reference(case: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.stack(outs), k_rot, kv[:, 1]
 
 
-def run(case: dict, splits: int) -> torch.Tensor:
+def run(case: dict, splits: int, workspace: torch.Tensor | None = None) -> torch.Tensor:
     q, kv = case["q"], case["kv"]
     heads, dim = q.shape[1:]
-    workspace = torch.empty(sd.workspace_floats(q.shape[0], kv.shape[2], heads // kv.shape[2], dim, splits),
-                            dtype=torch.float32, device=q.device)
+    if workspace is None:
+        workspace = sd.new_workspace(q.shape[0], kv.shape[2], heads // kv.shape[2], dim, splits, q.device)
     return sd.split_decode(q, kv, case["pos"], case["rows"], case["out_loc"], case["cos_sin"], case["table"],
                            case["cache"].buffer[0], workspace, splits)
 
@@ -85,7 +85,10 @@ def run(case: dict, splits: int) -> torch.Tensor:
         (14, 2, 16, 8, [200]),  # 7 q heads per KV head (Qwen2.5-7B): the group is padded to 8
     ],
 )
-def test_matches_float64_and_writes_the_cache(heads, kv_heads, dim, splits, positions):
+@pytest.mark.parametrize("merge_in_last_split", [True, False])
+def test_matches_float64_and_writes_the_cache(heads, kv_heads, dim, splits, positions, merge_in_last_split,
+                                              monkeypatch):
+    monkeypatch.setattr(sd, "MERGE_IN_LAST_SPLIT", merge_in_last_split)
     case = make_case(heads, kv_heads, dim, positions, 16, torch.float32)
     ref, k_ref, v_ref = reference(case)
     out = run(case, splits)
@@ -104,6 +107,19 @@ def test_split_count_does_not_change_the_result():
         outs.append(run(case, splits))
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_the_last_split_merges_and_leaves_its_counter_at_zero(monkeypatch):
+    """Called twice on one workspace (as every layer and replay does): each call merges (the counters went
+    back to zero in between), and both equal the two-kernel merge."""
+    case = make_case(8, 2, 32, [3, 47, 130], 16, torch.float32, seed=6)
+    workspace = sd.new_workspace(3, 2, 4, 32, 8, case["q"].device)
+    first = run(case, 8, workspace)
+    counters = workspace[-3 * 2:].view(torch.int32)
+    assert torch.equal(counters, torch.zeros_like(counters))
+    torch.testing.assert_close(run(case, 8, workspace), first, rtol=0, atol=0)
+    monkeypatch.setattr(sd, "MERGE_IN_LAST_SPLIT", False)
+    torch.testing.assert_close(run(case, 8), first, rtol=1e-6, atol=1e-7)
 
 
 def test_a_separate_q_tensor_is_read_through_its_strides():

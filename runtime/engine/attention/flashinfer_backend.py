@@ -136,8 +136,7 @@ class FlashInferBackend:
         hq, hkv, dim = self.heads
         if bs <= SPLIT_DECODE_MAX_BATCH and sd.supports(dim):
             splits = sd.num_splits(bs, hkv, hq // hkv, dim, max_pages_per_req * self.kv_cache.page_size)
-            floats = sd.workspace_floats(bs, hkv, hq // hkv, dim, splits)
-            self.split_graphs[bs] = splits, torch.empty(floats, dtype=torch.float32, device=dev)
+            self.split_graphs[bs] = splits, sd.new_workspace(bs, hkv, hq // hkv, dim, splits, dev)
             return
         self.graph_decode[bs] = self._decode_wrapper(
             self.decode_uses_tensor_cores(bs),

@@ -35,6 +35,9 @@ except ImportError:  # CPU-only installs never reach the flashinfer backend
     triton = None
 
 LOG2E = 1.4426950408889634
+# The last split of each (request, KV head) to finish merges the splits' states itself (an atomic counter
+# per head) instead of a second kernel after the first: one kernel boundary less per layer.
+MERGE_IN_LAST_SPLIT = True
 
 if triton is not None:
 
@@ -64,9 +67,9 @@ if triton is not None:
     @triton.jit
     def _split_attend(
         q_ptr, q_stride, kv_ptr, kv_stride, pos_ptr, row_ptr, loc_ptr, cos_sin_ptr, table_ptr, table_stride,
-        cache_ptr, plane_stride, part_ptr, out_ptr, scale,
+        cache_ptr, plane_stride, part_ptr, count_ptr, out_ptr, scale,
         HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HALF: tl.constexpr,
-        PAGE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+        PAGE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_LAST: tl.constexpr, PDL: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -152,6 +155,41 @@ if triton is not None:
             tl.store(part[:, None] + HALF + dims[None, :], acc2)
             tl.store(part + D, m)
             tl.store(part + D + 1, lsum)
+            if MERGE_LAST:
+                # The last split of (b, h) to finish merges: its states are complete once every live split has
+                # counted itself. The barrier orders all threads' stores before the counting thread's release;
+                # the acquire (and _merge's L2 reads) makes the others' stores visible to the last one.
+                tl.debug_barrier()
+                count = count_ptr + b * HKV + h
+                finished = tl.atomic_add(count, 1, sem="acq_rel")
+                live_splits = tl.cdiv(pos + 1, share)
+                if finished == live_splits - 1:
+                    _merge(part_ptr, out_ptr, b, h, live_splits, HQ, HKV, GROUP, GROUP_P2, D, SPLITS)
+                    tl.atomic_xchg(count, 0)  # ready for the next layer (which runs after this kernel ends)
+
+    @triton.jit
+    def _merge(
+        part_ptr, out_ptr, b, h, live_splits, HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr,
+        GROUP_P2: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+    ):
+        """Combine the first ``live_splits`` partial states of (request b, KV head h) into its output rows.
+        The workspace is read through L2 (``.cg``): other SMs wrote it, and this SM's L1 may hold the
+        previous layer's lines."""
+        sp = tl.arange(0, SPLITS)[:, None]
+        g = tl.arange(0, GROUP_P2)[None, :]
+        live = sp < live_splits
+        part = part_ptr + (((b * HKV + h) * SPLITS + sp) * GROUP_P2 + g).to(tl.int64) * (D + 2)  # [SPLITS, G]
+        m = tl.load(part + D, mask=live, other=float("-inf"), cache_modifier=".cg")
+        lsum = tl.load(part + D + 1, mask=live, other=0.0, cache_modifier=".cg")
+        m_all = tl.max(m, axis=0)
+        w = tl.exp2(m - m_all[None, :])  # splits past the sequence: weight 0
+        denom = tl.sum(w * lsum, axis=0)
+        dims = tl.arange(0, D)[None, None, :]
+        acc = tl.load(part[:, :, None] + dims, mask=live[:, :, None], other=0.0, cache_modifier=".cg")  # [S, G, D]
+        o = tl.sum(w[:, :, None] * acc, axis=0) / denom[:, None]
+        gg = tl.arange(0, GROUP_P2)[:, None]
+        out = out_ptr + b.to(tl.int64) * (HQ * D) + (h * GROUP + gg) * D + tl.arange(0, D)[None, :]
+        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=gg < GROUP)
 
     @triton.jit
     def _merge_splits(
@@ -160,25 +198,12 @@ if triton is not None:
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
-        sp = tl.arange(0, SPLITS)[:, None]
-        g = tl.arange(0, GROUP_P2)[None, :]
         pos = tl.load(pos_ptr + b)
-        live = sp < tl.cdiv(pos + 1, _share(pos, SPLITS, BLOCK_N))  # the splits _split_attend wrote
+        live_splits = tl.cdiv(pos + 1, _share(pos, SPLITS, BLOCK_N))  # the splits _split_attend wrote
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        part = part_ptr + (((b * HKV + h) * SPLITS + sp) * GROUP_P2 + g).to(tl.int64) * (D + 2)  # [SPLITS, G]
-        m = tl.load(part + D, mask=live, other=float("-inf"))
-        lsum = tl.load(part + D + 1, mask=live, other=0.0)
-        m_all = tl.max(m, axis=0)
-        w = tl.exp2(m - m_all[None, :])  # splits past the sequence: weight 0
-        denom = tl.sum(w * lsum, axis=0)
-        dims = tl.arange(0, D)[None, None, :]
-        acc = tl.load(part[:, :, None] + dims, mask=live[:, :, None], other=0.0)  # [SPLITS, G, D]
-        o = tl.sum(w[:, :, None] * acc, axis=0) / denom[:, None]
-        gg = tl.arange(0, GROUP_P2)[:, None]
-        out = out_ptr + b.to(tl.int64) * (HQ * D) + (h * GROUP + gg) * D + tl.arange(0, D)[None, :]
-        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=gg < GROUP)
+        _merge(part_ptr, out_ptr, b, h, live_splits, HQ, HKV, GROUP, GROUP_P2, D, SPLITS)
 
 
 def supports(head_dim: int) -> bool:
@@ -198,8 +223,12 @@ def block_tokens(group: int, head_dim: int) -> int:
     return max(8, min(64, 4096 // (triton.next_power_of_2(group) * head_dim // 2)))
 
 
-def workspace_floats(batch_size: int, kv_heads: int, group: int, head_dim: int, splits: int) -> int:
-    return batch_size * kv_heads * splits * triton.next_power_of_2(group) * (head_dim + 2)
+def new_workspace(batch_size: int, kv_heads: int, group: int, head_dim: int, splits: int,
+                  device: torch.device) -> torch.Tensor:
+    """The partial softmax states of every split, then one finished-splits counter per (request, KV head),
+    zeroed (the last split of each resets its counter, so the zeros hold from one call to the next)."""
+    states = batch_size * kv_heads * splits * triton.next_power_of_2(group) * (head_dim + 2)
+    return torch.zeros(states + batch_size * kv_heads, dtype=torch.float32, device=device)
 
 
 def split_decode(
@@ -210,8 +239,8 @@ def split_decode(
 
     ``q``: ``[B, heads, d]`` and ``kv``: ``[B, 2, kv_heads, d]`` before RoPE (rows may be strided, heads and
     dims dense); ``positions``, ``rows`` (page-table rows) and ``out_loc`` (flat cache slots): ``[B]``;
-    ``cache``: this layer's ``[2, pages, page_size, kv_heads, d]``; ``workspace``: float32 of at least
-    ``workspace_floats`` (unused with one split). Returns ``[B, heads * d]``.
+    ``cache``: this layer's ``[2, pages, page_size, kv_heads, d]``; ``workspace``: from ``new_workspace``
+    for this batch size and split count (unused with one split). Returns ``[B, heads * d]``.
     """
     batch, heads, dim = q.shape
     kv_heads = kv.shape[2]
@@ -220,14 +249,16 @@ def split_decode(
     pdl = use_pdl(q.device.index or 0)
     block = block_tokens(group, dim)
     warps = 4 if group * dim <= 512 else 8
+    merge_last = MERGE_IN_LAST_SPLIT and splits > 1
+    counters = workspace[workspace.numel() - batch * kv_heads:].view(torch.int32)
     _split_attend[(batch, kv_heads, splits)](
         q, q.stride(0), kv, kv.stride(0), positions, rows, out_loc, cos_sin, page_table, page_table.stride(0),
-        cache, cache.stride(0), workspace, out, LOG2E / math.sqrt(dim),
+        cache, cache.stride(0), workspace, counters, out, LOG2E / math.sqrt(dim),
         HQ=heads, HKV=kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group), HALF=dim // 2,
-        PAGE=cache.shape[2], SPLITS=splits, BLOCK_N=block, PDL=pdl,
+        PAGE=cache.shape[2], SPLITS=splits, BLOCK_N=block, MERGE_LAST=merge_last, PDL=pdl,
         launch_pdl=pdl, num_warps=warps,
     )
-    if splits > 1:
+    if splits > 1 and not merge_last:
         _merge_splits[(batch, kv_heads)](
             workspace, positions, out, HQ=heads, HKV=kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group),
             D=dim, SPLITS=splits, BLOCK_N=block, PDL=pdl, launch_pdl=pdl, num_warps=4,
