@@ -156,16 +156,8 @@ if triton is not None:
             tl.store(part + D, m)
             tl.store(part + D + 1, lsum)
             if MERGE_LAST:
-                # The last split of (b, h) to finish merges: its states are complete once every live split has
-                # counted itself. The barrier orders all threads' stores before the counting thread's release;
-                # the acquire (and _merge's L2 reads) makes the others' stores visible to the last one.
-                tl.debug_barrier()
-                count = count_ptr + b * HKV + h
-                finished = tl.atomic_add(count, 1, sem="acq_rel")
-                live_splits = tl.cdiv(pos + 1, share)
-                if finished == live_splits - 1:
-                    _merge(part_ptr, out_ptr, b, h, live_splits, HQ, HKV, GROUP, GROUP_P2, D, SPLITS)
-                    tl.atomic_xchg(count, 0)  # ready for the next layer (which runs after this kernel ends)
+                _merge_if_last(part_ptr, count_ptr, out_ptr, b, h, tl.cdiv(pos + 1, share), HQ, HKV, GROUP, GROUP_P2,
+                               D, SPLITS)
 
     @triton.jit
     def _merge(
@@ -190,6 +182,21 @@ if triton is not None:
         gg = tl.arange(0, GROUP_P2)[:, None]
         out = out_ptr + b.to(tl.int64) * (HQ * D) + (h * GROUP + gg) * D + tl.arange(0, D)[None, :]
         tl.store(out, o.to(out_ptr.dtype.element_ty), mask=gg < GROUP)
+
+    @triton.jit
+    def _merge_if_last(
+        part_ptr, count_ptr, out_ptr, b, h, live_splits, HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr,
+        GROUP_P2: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+    ):
+        """Called by every live split of (b, h) after storing its state: the last one to get here merges. The
+        barrier orders all threads' stores before the counting thread's release; the acquire (and _merge's L2
+        reads) makes the other splits' stores visible to the last one."""
+        tl.debug_barrier()
+        count = count_ptr + b * HKV + h
+        finished = tl.atomic_add(count, 1, sem="acq_rel")
+        if finished == live_splits - 1:
+            _merge(part_ptr, out_ptr, b, h, live_splits, HQ, HKV, GROUP, GROUP_P2, D, SPLITS)
+            tl.atomic_xchg(count, 0)  # ready for the next layer (which runs after this kernel ends)
 
     @triton.jit
     def _merge_splits(
