@@ -144,3 +144,28 @@ def test_bf16_flashinfer_logits_and_greedy_against_hf_float32(checkpoint):
           f"HF bf16 {hf16_agree:.3f} (worst gap {float(hf16_gap.max()):.4f})")
     assert ours_agree > 0.5 and ours_agree >= hf16_agree - 0.1, name
     assert float(ours_gap.max()) <= max(0.03, 2 * float(hf16_gap.max())), name  # only near-ties may flip
+
+
+def test_single_request_decode_on_the_fused_path_against_hf_float32(checkpoint):
+    """One request decoded from a one-row CUDA graph: every layer as four fused GEMVs (models/gemv.py, with
+    the tiles this width gets) around split_decode.py, at the family's real width (Qwen2's biases, Qwen3's
+    per-head q/k norms); its logits at each decode step against HF float32, within the same bf16 budget."""
+    name, path = checkpoint
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    gen = torch.Generator().manual_seed(1)
+    seq = torch.randint(0, vocab, (300,), generator=gen).tolist()
+    llm = LLM(str(path), overrides=OVERRIDES)
+    eng = llm.engine
+    assert_gpu_defaults(eng)
+    assert eng.model.model.fused_gemv and 1 in eng.attn_backend.split_graphs
+    ours = prefill_logits(eng, [seq], decode_tail=NEW_TOKENS, use_graph=True)[0][-NEW_TOKENS:]
+    llm.shutdown()
+    del llm, eng
+    torch.cuda.empty_cache()
+    start = len(seq) - NEW_TOKENS
+    ref = hf_logits(path, [seq], [start], torch.float32)[0]
+    hf16 = hf_logits(path, [seq], [start], torch.bfloat16)[0]
+    budget = 2 * relative_error(hf16, ref) + 2e-3
+    err = relative_error(ours, ref)
+    print(f"{name} one request, fused decode: {err:.2e} (budget {budget:.2e})")
+    assert err <= budget, name
