@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -18,16 +19,21 @@ from scripts.bench_config import load_bench_config  # noqa: E402
 from scripts.bench_runs import workload  # noqa: E402
 
 
-def gpu_timeline(prof: torch.profiler.profile, steps: int) -> str:
-    """GPU busy time against the span of the window (idle = the GPU waiting for the host), per step."""
-    kernels = sorted(
-        (e.time_range.start, e.time_range.end) for e in prof.events()
+def gpu_kernels(prof: torch.profiler.profile) -> list[tuple[float, float, str]]:
+    """(start, end, name) of every GPU operation the profile recorded, in start order."""
+    return sorted(
+        (e.time_range.start, e.time_range.end, e.name) for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
     )
+
+
+def gpu_timeline(prof: torch.profiler.profile, steps: int) -> str:
+    """GPU busy time against the span of the window (idle = the GPU waiting for the host), per step."""
+    kernels = gpu_kernels(prof)
     if not kernels:
         return "no GPU kernels recorded"
-    busy, cur_start, cur_end = 0.0, *kernels[0]
-    for start, end in kernels[1:]:
+    busy, cur_start, cur_end = 0.0, *kernels[0][:2]
+    for start, end, _ in kernels[1:]:
         if start > cur_end:
             busy, cur_start = busy + cur_end - cur_start, start
         cur_end = max(cur_end, end)
@@ -41,13 +47,8 @@ def critical_path(prof: torch.profiler.profile, steps: int, layers: int) -> str:
     """Each kernel's end after the end of the kernel launched before it (the time it adds to the chain when
     kernels overlap under programmatic dependent launch), median per kernel and position in the layer: a
     kernel launched k times a layer is told apart by its launch index modulo k (qkv, o, gate_up, down)."""
-    kernels = sorted(
-        (e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
-    )
-    counts: dict[str, int] = {}
-    for _, _, name in kernels:
-        counts[name] = counts.get(name, 0) + 1
+    kernels = gpu_kernels(prof)
+    counts = Counter(name for _, _, name in kernels)
     seen: dict[str, int] = {}
     added: dict[str, list[float]] = {}
     prev_end = None
