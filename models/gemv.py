@@ -97,83 +97,6 @@ if triton is not None:
         tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-if triton is not None:
-
-    @triton.jit
-    def _rows_block(x_rows, norm_ptr, k, k_ok, m_ok, w, u, acc, acc_up, sq,
-                    NORM: tl.constexpr, SILU: tl.constexpr, PRECISION: tl.constexpr):
-        """One BLOCK_K slice of ``_rows_gemm``: the rows' x (normed: times the norm weight, its squares
-        summed for the RMS) against the weight tile(s) ``w`` (and ``u``), on the tensor cores."""
-        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if NORM:
-            xf = x.to(tl.float32)
-            sq += tl.sum(xf * xf, axis=1)
-            g = tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            x = xf * g[None, :]
-        x = x.to(w.dtype)
-        acc = tl.dot(x, w, acc, input_precision=PRECISION)
-        if SILU:
-            acc_up = tl.dot(x, u, acc_up, input_precision=PRECISION)
-        return acc, acc_up, sq
-
-    @triton.jit
-    def _rows_gemm(
-        x_ptr, w_ptr, bias_ptr, norm_ptr, out_ptr, eps, M, stride_x, stride_out,
-        N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        NORM: tl.constexpr, SILU: tl.constexpr, ADD: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
-        PRECISION: tl.constexpr,
-    ):
-        """``_row_gemv`` for a tile of ``BLOCK_M`` rows: the same three forms (normed input, SiLU x mul over
-        gate and up rows, residual add), the products on the tensor cores. The norm scales each row's
-        output by its 1/RMS at the end (the norm weight scales x before the dot)."""
-        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_ok, n_ok = m < M, n < N
-        kk = tl.arange(0, BLOCK_K)
-        x_rows = x_ptr + m[:, None].to(tl.int64) * stride_x
-        w_cols = w_ptr + n[None, :].to(tl.int64) * K  # W[n, k] as a [BLOCK_K, BLOCK_N] tile
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        # As in _row_gemv: the first weight block is no kernel's output, so it is read before gdc_wait.
-        k_ok = kk < K
-        w_ok = k_ok[:, None] & n_ok[None, :]
-        w = tl.load(w_cols + kk[:, None], mask=w_ok, other=0.0)
-        u = w
-        if SILU:
-            u = tl.load(w_cols + N * K + kk[:, None], mask=w_ok, other=0.0)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        acc, acc_up, sq = _rows_block(x_rows, norm_ptr, kk, k_ok, m_ok, w, u, acc, acc_up, sq, NORM, SILU, PRECISION)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            k = k0 + kk
-            k_ok = k < K
-            w_ok = k_ok[:, None] & n_ok[None, :]
-            w = tl.load(w_cols + k[:, None], mask=w_ok, other=0.0)
-            u = w
-            if SILU:
-                u = tl.load(w_cols + N * K + k[:, None], mask=w_ok, other=0.0)
-            acc, acc_up, sq = _rows_block(x_rows, norm_ptr, k, k_ok, m_ok, w, u, acc, acc_up, sq, NORM, SILU,
-                                          PRECISION)
-        if NORM:
-            rstd = tl.rsqrt(sq / K + eps)
-            acc = acc * rstd[:, None]
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if SILU:
-            if NORM:
-                acc_up = acc_up * rstd[:, None]
-            if HAS_BIAS:
-                acc_up += tl.load(bias_ptr + N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-        out = out_ptr + m[:, None].to(tl.int64) * stride_out + n[None, :]
-        ok = m_ok[:, None] & n_ok[None, :]
-        if ADD:
-            acc += tl.load(out, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
 def supported(device: torch.device) -> bool:
     """Whether the fused kernels can run on ``device`` (Triton present, a CUDA device)."""
     return triton is not None and device.type == "cuda"
@@ -217,55 +140,26 @@ def tile(n: int, k: int, silu: bool) -> tuple[int, int, int, int]:
     return 4, 1024, 8, 6
 
 
-# auto runs decode steps of several rows fused up to this hidden size (wider, cuBLAS's GEMMs win).
-ROWS_MAX_HIDDEN = 1024
-
-
-def fused_max_rows(mode: str, hidden_size: int, graph_max_rows: int) -> int:
-    """The most rows a decode step may have to run fused, for ``engine.fused_gemv`` = ``mode``: single-token
-    steps at every width (faster at each measured one, 135M to 8B shapes), several rows up to the graphs'
-    largest batch where the model is narrow enough (``always``: at every width)."""
-    if mode == "never":
-        return 0
-    if mode == "always" or hidden_size <= ROWS_MAX_HIDDEN:
-        return graph_max_rows
-    return 1
-
-
-def rows_tile(m: int, n: int, k: int, silu: bool) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for ``m`` rows against an ``[n, k]`` weight."""
-    block_m = 16 if m <= 16 else 32 if m <= 64 else 64
-    return block_m, 64, 64, 4, 3
-
-
 def _launch(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: torch.Tensor | None, eps: float,
     out: torch.Tensor, n: int, silu: bool, add: bool,
 ) -> None:
     rows, k = x.shape
-    if x.stride(1) != 1 or out.stride(1) != 1:
-        raise ValueError("the fused kernels take rows with unit stride along the features")
+    if rows != 1:
+        raise ValueError(f"the fused GEMV takes one row, got {rows}")
+    block_n, block_k, warps, stages = tile(n, k, silu)
     pdl = use_pdl(x.device.index or 0)
-    common = dict(NORM=norm is not None, SILU=silu, ADD=add, HAS_BIAS=bias is not None, PDL=pdl, launch_pdl=pdl)
-    args = (x, weight, bias if bias is not None else weight, norm if norm is not None else weight, out, eps)
-    if rows == 1:
-        block_n, block_k, warps, stages = tile(n, k, silu)
-        _row_gemv[(triton.cdiv(n, block_n),)](
-            *args, N=n, K=k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **common,
-        )
-        return
-    block_m, block_n, block_k, warps, stages = rows_tile(rows, n, k, silu)
-    # float32 weights (CPU tests, the interpreter) multiply in full precision, not TF32.
-    precision = "ieee" if weight.dtype == torch.float32 else "tf32"
-    _rows_gemm[(triton.cdiv(n, block_n), triton.cdiv(rows, block_m))](
-        *args, rows, x.stride(0), out.stride(0), N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION=precision, num_warps=warps, num_stages=stages, **common,
+    _row_gemv[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, norm if norm is not None else weight, out, eps,
+        N=n, K=k, BLOCK_N=block_n, BLOCK_K=block_k,
+        NORM=norm is not None, SILU=silu, ADD=add, HAS_BIAS=bias is not None, PDL=pdl,
+        launch_pdl=pdl, num_warps=warps, num_stages=stages,
     )
 
 
 def norm_linear(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
-    """``rmsnorm(h) * norm_weight @ weight.T + bias`` for the rows of ``h`` ([rows, k])."""
+    """``rmsnorm(h) * norm_weight @ weight.T + bias`` for one row ``h`` ([1, k])."""
     out = torch.empty(h.shape[0], weight.shape[0], dtype=h.dtype, device=h.device)
     _launch(h, weight, bias, norm_weight, eps, out, weight.shape[0], silu=False, add=False)
     return out

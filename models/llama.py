@@ -89,8 +89,8 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
     def forward_fused(self, h: torch.Tensor, cos_sin: torch.Tensor) -> None:
-        """The same layer in four fused kernels (models/gemv.py); ``h`` is the residual stream, updated in
-        place (TP=1: the row-parallel outputs need no all-reduce)."""
+        """The same layer for one token in four fused GEMVs (models/gemv.py); ``h`` is the residual
+        stream, updated in place (TP=1: the row-parallel outputs need no all-reduce)."""
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         qkv = gemv.norm_linear(h, norm1.weight, norm1.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
@@ -106,14 +106,11 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, kernels) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.fused_max_rows = kernels.fused_max_rows
+        self.fused_gemv = kernels.fused_gemv
 
     def forward(self, input_ids: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        rows = input_ids.shape[0]
-        # Decided by shape and phase, so once per captured graph: several rows only as a decode step (a
-        # replayed graph), since eagerly Triton's launch overhead costs more than the fusion saves.
-        if rows <= self.fused_max_rows and (rows == 1 or get_ctx().batch.is_decode):
+        if self.fused_gemv and input_ids.shape[0] == 1:  # decided by shape, so once per captured graph
             for layer in self.layers:
                 layer.forward_fused(x, cos_sin)
             return self.norm(x)[0]

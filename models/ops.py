@@ -76,9 +76,8 @@ class Kernels:
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
-    # Decode steps of up to this many rows run each decoder layer as four fused kernels (models/gemv.py:
-    # Triton, TP=1, inside CUDA graphs); 1: single-token steps only; 0: never.
-    fused_max_rows: int = 0
+    # Single-token steps run each decoder layer as four fused GEMVs (models/gemv.py: Triton, TP=1).
+    fused_gemv: bool = False
 
 
 TORCH_KERNELS = Kernels(_rms_norm_torch, _add_rms_norm_torch, _silu_and_mul_torch)

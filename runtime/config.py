@@ -58,10 +58,9 @@ class EngineSection:
     attention_backend: str = "auto"  # auto | torch | flashinfer
     kernels: str = "auto"  # auto | torch | flashinfer: norms, RoPE, activation, sampling
     cuda_graph_max_bs: int = 256  # largest decode batch replayed from a CUDA graph; 0 disables graphs
-    # auto | always | never: decode steps run each layer as four fused Triton kernels (GPU, TP=1, flashinfer
-    # kernels, CUDA graphs on; models/gemv.py). auto: single-token steps at every width, decode batches up to
-    # cuda_graph_max_bs where the hidden size is <= models.gemv.ROWS_MAX_HIDDEN; always: batches at every
-    # width; never: cuBLAS and the separate norms.
+    # auto | always | never: single-token steps run each layer as four fused GEMVs (GPU with Triton, TP=1,
+    # flashinfer kernels, CUDA graphs on); auto (the same as always) because it was faster at every measured
+    # width, 135M to 8B (models/gemv.py); never keeps cuBLAS and the separate norms.
     fused_gemv: str = "auto"
     seed: int = 0
 

@@ -1,6 +1,6 @@
-"""Micro-benchmark: a decoder layer's weight passes for decode rows, unfused against fused, in CUDA graphs.
+"""Micro-benchmark: a decoder layer's weight passes for one token, unfused against fused, in CUDA graphs.
 
-    python scripts/bench_gemv.py [--shapes 1B,8B,SmolLM2] [--rows 1,64,256] [--sweep]
+    python scripts/bench_gemv.py [--shapes 1B,8B,SmolLM2] [--sweep]
 
 Unfused is what the engine ran before models/gemv.py: flashinfer's fused add + RMSNorm, cuBLAS for
 qkv, o, gate_up and down, flashinfer's SiLU x mul. Fused is models/gemv.py's four kernels, with
@@ -9,7 +9,7 @@ tensor), so the numbers are the weight passes and what sits between them. Each s
 enough layers that the weights pass 1 GB, so L2 (50 MB) never serves them; one graph replays the whole
 stack. Reported: microseconds per layer and the weight bytes over that time. ``--sweep`` times the
 stack with one fused kernel's tile changed at a time, over a grid of tiles (compiled first in
-``--workers`` processes), against ``models.gemv.tile``'s defaults (``rows_tile``'s for several rows).
+``--workers`` processes), against ``models.gemv.tile``'s defaults.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def fused_stack(layers: list[dict], h: torch.Tensor, attn: torch.Tensor) -> Call
 
 
 KernelKey = tuple[int, int, bool]  # (n, k, silu): the arguments models.gemv.tile sees
-Tile = tuple[int, ...]  # one row: (BLOCK_N, BLOCK_K, warps, stages); rows: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+Tile = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 
 
 def kernel_keys(hidden: int, qkv: int, inter: int) -> dict[str, KernelKey]:
@@ -98,20 +98,10 @@ def kernel_keys(hidden: int, qkv: int, inter: int) -> dict[str, KernelKey]:
             "down": (hidden, inter, False)}
 
 
-def candidate_tiles(rows: int, n: int, k: int, silu: bool) -> list[Tile]:
-    """Tiles worth timing. One row: 8-64 weight elements a thread per block, at least 128 programs; stages only
-    where the reduction takes more than one block (with one block the whole tile is read before gdc_wait).
-    Several rows: tensor-core tiles of 16-64 rows, 16-128 columns, 64 or 128 deep, 2-4 in flight, 8 warps only
-    for the larger tiles."""
-    tiles: list[Tile] = []
-    if rows > 1:
-        for bm, bn, bk, warps, stages in itertools.product([16, 32, 64], [16, 32, 64, 128], [64, 128], [4, 8],
-                                                           [2, 3, 4]):
-            smem = stages * (bm * bk + bk * bn * (2 if silu else 1)) * 2  # bf16 bytes in flight
-            if (bm <= max(16, rows) and bk <= k and (warps == 4 or bm * bn >= 4096)
-                    and (stages > 2 if bk == 64 else stages < 4) and smem <= 160_000):
-                tiles.append((bm, bn, bk, warps, stages))
-        return tiles
+def candidate_tiles(n: int, k: int, silu: bool) -> list[Tile]:
+    """Tiles worth timing: 8-64 weight elements a thread per block, at least 128 programs; stages only where
+    the reduction takes more than one block (with one block the whole tile is read before gdc_wait)."""
+    tiles = []
     for bn, bk, warps, stages in itertools.product([1, 2, 4, 8, 16], [256, 512, 1024, 2048], [2, 4, 8], [2, 3, 4, 6]):
         per_thread = bn * (2 if silu else 1) * bk / (32 * warps)
         if bk <= k and (k > bk or stages == 2) and 8 <= per_thread <= 64 and n // bn >= 128:
@@ -119,33 +109,28 @@ def candidate_tiles(rows: int, n: int, k: int, silu: bool) -> list[Tile]:
     return tiles
 
 
-def patch_tiles(rows: int, overrides: dict[KernelKey, Tile]) -> None:
-    """Point models.gemv's tile rule for ``rows`` at ``overrides`` (keyed by kernel), the rule elsewhere."""
-    if rows == 1:
-        gemv.tile = lambda n, k, silu: overrides.get((n, k, silu)) or DEFAULT_TILE(n, k, silu)
-    else:
-        gemv.rows_tile = lambda m, n, k, silu: overrides.get((n, k, silu)) or DEFAULT_ROWS_TILE(m, n, k, silu)
+def patched_tile(overrides: dict[KernelKey, Tile]) -> Callable[[int, int, bool], Tile]:
+    default = gemv.tile
+
+    def tile(n: int, k: int, silu: bool) -> Tile:
+        return overrides.get((n, k, silu)) or default(n, k, silu)
+
+    return tile
 
 
-def default_tile(rows: int, key: KernelKey) -> Tile:
-    return DEFAULT_TILE(*key) if rows == 1 else DEFAULT_ROWS_TILE(rows, *key)
-
-
-DEFAULT_TILE, DEFAULT_ROWS_TILE = gemv.tile, gemv.rows_tile
-
-
-def _precompile(shape: tuple[int, int, int], rows: int, work: list[tuple[str, Tile]]) -> None:
+def _precompile(shape: tuple[int, int, int], work: list[tuple[str, Tile]]) -> None:
     """Worker: run each (kernel, tile) once so that Triton's on-disk cache holds it for the parent."""
     hidden, qkv, inter = shape
     keys = kernel_keys(hidden, qkv, inter)
     layer = make_layers(hidden, qkv, inter, count=1)[0]
-    h = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
-    act = torch.randn(rows, inter, device="cuda", dtype=torch.bfloat16)
+    h = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+    act = torch.randn(1, inter, device="cuda", dtype=torch.bfloat16)
     calls = kernel_calls(h, act, hidden)
+    default = gemv.tile
     for name, tile in work:
-        patch_tiles(rows, {keys[name]: tile})
+        gemv.tile = patched_tile({keys[name]: tile})
         calls[name](layer)
-    patch_tiles(rows, {})
+    gemv.tile = default
     torch.cuda.synchronize()
 
 
@@ -158,41 +143,41 @@ def kernel_calls(h: torch.Tensor, act: torch.Tensor, hidden: int) -> dict[str, C
     }
 
 
-def sweep(layers: list[dict], hidden: int, qkv: int, inter: int, rows: int, workers: int,
+def sweep(layers: list[dict], hidden: int, qkv: int, inter: int, workers: int,
           record: dict | None = None) -> dict[str, Tile]:
     """Each fused kernel's tile swept inside the whole layer stack (the other kernels at their default tile,
     so the dependent-launch overlap with neighbours is what a step sees); returns the best tile per kernel."""
     import multiprocessing
 
     keys = kernel_keys(hidden, qkv, inter)
-    work = [(name, t) for name, key in keys.items() for t in candidate_tiles(rows, *key)]
+    work = [(name, t) for name, key in keys.items() for t in candidate_tiles(*key)]
     started = time.perf_counter()
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        pool.starmap(_precompile, [((hidden, qkv, inter), rows, work[i::workers]) for i in range(workers)])
+        pool.starmap(_precompile, [((hidden, qkv, inter), work[i::workers]) for i in range(workers)])
     print(f"  compiled {len(work)} tiles in {time.perf_counter() - started:.0f} s", flush=True)
-    h = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
-    attn = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    h = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+    attn = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
     stack = fused_stack(layers, h, attn)
+    default_tile = gemv.tile
 
     def stack_us(overrides: dict[KernelKey, Tile], repeats: int = 50) -> float:
-        patch_tiles(rows, overrides)
+        gemv.tile = patched_tile(overrides)
         try:
             return replay_us(stack, repeats) / len(layers)
         finally:
-            patch_tiles(rows, {})
+            gemv.tile = default_tile
 
     base = min(stack_us({}) for _ in range(3))
     best: dict[str, Tile] = {}
     for name, key in keys.items():
-        results = sorted((stack_us({key: t}), t) for t in candidate_tiles(rows, *key))
+        results = sorted((stack_us({key: t}), t) for t in candidate_tiles(*key))
         if record is not None:
-            record[name] = {"default": default_tile(rows, key), "stack_us": base, "tiles": results}
+            record[name] = {"default": default_tile(*key), "stack_us": base, "tiles": results}
         # the leaders again, three times each: one replay loop can catch a slow moment
         leaders = sorted((min(stack_us({key: t}) for _ in range(3)), t) for _, t in results[:6])
         best[name] = leaders[0][1]
         top = ", ".join(f"{t} {us:.2f}" for us, t in leaders[:4])
-        print(f"  sweep {name:8}: default {default_tile(rows, key)} stack {base:.2f} us/layer | best {top}",
-              flush=True)
+        print(f"  sweep {name:8}: default {default_tile(*key)} stack {base:.2f} us/layer | best {top}", flush=True)
     overrides = {keys[name]: t for name, t in best.items()}
     print(f"  all four best tiles: {min(stack_us(overrides) for _ in range(3)):.2f} against {base:.2f} us/layer "
           f"(defaults) | {best}", flush=True)
@@ -202,7 +187,6 @@ def sweep(layers: list[dict], hidden: int, qkv: int, inter: int, rows: int, work
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="1B,8B,SmolLM2")
-    parser.add_argument("--rows", default="1", help="decode rows a step, comma-separated")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--workers", type=int, default=12, help="processes compiling the swept tiles")
     parser.add_argument("--sweep-json", default=None, help="write every swept tile's time here")
@@ -212,20 +196,19 @@ def main() -> None:
         hidden, qkv, inter = SHAPES[shape]
         layers = make_layers(hidden, qkv, inter)
         layer_kb = 2 * hidden * (qkv + hidden + 3 * inter) / 1e3
-        for rows in map(int, args.rows.split(",")):
-            h = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
-            attn = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
-            if args.sweep:
-                sweep(layers, hidden, qkv, inter, rows, args.workers, record.setdefault(f"{shape} x{rows}", {}))
-            unfused = replay_us(unfused_stack(layers, h, attn)) / len(layers)
-            fused = replay_us(fused_stack(layers, h, attn)) / len(layers)
-            use_pdl = gemv.use_pdl
-            gemv.use_pdl = lambda index: False
-            no_pdl = replay_us(fused_stack(layers, h, attn)) / len(layers)
-            gemv.use_pdl = use_pdl
-            print(f"{shape:8} x{rows:<4}: unfused {unfused:7.2f} us/layer {layer_kb / unfused:5.0f} GB/s | fused "
-                  f"{fused:7.2f} us {layer_kb / fused:5.0f} GB/s ({unfused / fused:.2f}x) | fused, no PDL "
-                  f"{no_pdl:7.2f} us ({unfused / no_pdl:.2f}x)  [{len(layers)} layers]", flush=True)
+        h = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+        attn = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+        if args.sweep:
+            sweep(layers, hidden, qkv, inter, args.workers, record.setdefault(shape, {}))
+        unfused = replay_us(unfused_stack(layers, h, attn)) / len(layers)
+        fused = replay_us(fused_stack(layers, h, attn)) / len(layers)
+        use_pdl = gemv.use_pdl
+        gemv.use_pdl = lambda index: False
+        no_pdl = replay_us(fused_stack(layers, h, attn)) / len(layers)
+        gemv.use_pdl = use_pdl
+        print(f"{shape:8}: unfused {unfused:7.2f} us/layer {layer_kb / unfused:5.0f} GB/s | fused "
+              f"{fused:7.2f} us {layer_kb / fused:5.0f} GB/s ({unfused / fused:.2f}x) | fused, no PDL "
+              f"{no_pdl:7.2f} us ({unfused / no_pdl:.2f}x)  [{len(layers)} layers]", flush=True)
         del layers
         torch.cuda.empty_cache()
     if args.sweep_json:

@@ -1,6 +1,6 @@
-"""The fused decode path (models/gemv.py): the Triton kernels (one row, and tiles of rows) against float64,
-and the decoder layers that use them against HF transformers, on CPU through Triton's interpreter (conftest
-sets TRITON_INTERPRET=1 where there is no GPU; tests/test_gpu_kernels.py runs the same kernels compiled)."""
+"""The fused small-batch GEMV path (models/gemv.py): the Triton kernels against float64, and the decoder
+layers that use them against HF transformers, on CPU through Triton's interpreter (conftest sets
+TRITON_INTERPRET=1 where there is no GPU; tests/test_gpu_kernels.py runs the same kernels compiled)."""
 
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ def _rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours.double() - ref).norm() / ref.norm())
 
 
-@pytest.mark.parametrize("rows,n,k", [(1, 96, 64), (1, 40, 200), (1, 300, 136), (1, 1000, 1100), (1, 40, 2500),
-                                      (2, 96, 64), (5, 40, 200), (17, 300, 136), (40, 72, 260)])
-def test_kernels_match_float64(rows, n, k):
-    """Odd sizes (masked tails in rows, N and K; K over one block: 2500 for every one-row kernel, 1100 for
-    SiLU; several blocks of rows and of K for the tiled kernel), with and without bias."""
-    gen = torch.Generator().manual_seed(rows + n + k)
+@pytest.mark.parametrize("n,k", [(96, 64), (40, 200), (300, 136), (1000, 1100), (40, 2500)])
+def test_kernels_match_float64(n, k):
+    """Odd sizes (masked tails in N and K; K over one block: 2500 for every kernel, 1100 for SiLU), with and
+    without bias."""
+    rows = 1
+    gen = torch.Generator().manual_seed(n + k)
     h = torch.randn(rows, k, generator=gen)
     norm_w = torch.rand(k, generator=gen) + 0.5
     w = torch.randn(2 * n, k, generator=gen) * 0.1
@@ -47,22 +47,16 @@ def test_kernels_match_float64(rows, n, k):
     assert _rel(resid, ref) < 1e-6
 
 
-def test_rows_strided_along_the_features_are_refused():
-    with pytest.raises(ValueError, match="unit stride along the features"):
-        gemv.norm_linear(torch.randn(64, 2).t(), torch.ones(64), 1e-5, torch.randn(32, 64), None)
+def test_more_than_one_row_is_refused():
+    with pytest.raises(ValueError, match="one row, got 2"):
+        gemv.norm_linear(torch.randn(2, 64), torch.ones(64), 1e-5, torch.randn(32, 64), None)
 
 
-@pytest.mark.parametrize(("mode", "hidden", "expected"), [
-    ("never", 576, 0), ("auto", 576, 256), ("auto", 4096, 1), ("always", 4096, 256)])
-def test_fused_max_rows_follows_the_mode_and_the_width(mode, hidden, expected):
-    assert gemv.fused_max_rows(mode, hidden, 256) == expected
-
-
-def _fused_engine(model_dir, monkeypatch, max_rows: int = 1):  # noqa: ANN001, ANN202
-    """A CPU engine whose model takes the fused path for decode steps of up to ``max_rows`` rows (and every
-    single-token step: the GPU engine's rule), counting the fused layer calls so the test knows the path ran."""
+def _fused_engine(model_dir, monkeypatch):  # noqa: ANN001, ANN202
+    """A CPU engine whose model takes the fused path for single-token steps (the GPU engine's rule),
+    counting the fused layer calls so the test knows the path ran."""
     engine = make_engine(model_dir)
-    engine.model.model.fused_max_rows = max_rows
+    engine.model.model.fused_gemv = True
     calls = {"n": 0}
     inner = gemv.norm_linear_silu
 
@@ -89,22 +83,6 @@ def test_fused_layers_match_hf_llama_with_bias(tmp_path, monkeypatch):
     assert calls["n"] == 7 * 3  # 7 single-token steps, 3 layers each
     ours += prefill_logits(engine, prompts[1:], chunk=1, decode_tail=2)
     assert calls["n"] == 7 * 3
-    for o, r in zip(ours, ref):
-        assert relative_error(o, r) <= 1e-5
-
-
-def test_fused_decode_rows_match_hf_llama_with_bias(tmp_path, monkeypatch):
-    """Three prompts decoded together through the tiled kernels (3-row decode steps, fused); their prefill
-    chunks, also 3 rows but not decode steps, stay unfused."""
-    from tests.conftest import make_tiny_llama
-    from tests.test_model_vs_hf import hf_logits
-
-    model_dir = make_tiny_llama(tmp_path, bias=True, seed=6)
-    prompts = [[3, 1, 4, 1, 5, 9, 2], [2, 7, 1, 8, 2, 8, 1], [1, 6, 1, 8, 0, 3, 3]]
-    ref = hf_logits(model_dir, prompts)
-    engine, calls = _fused_engine(model_dir, monkeypatch, max_rows=4)
-    ours = prefill_logits(engine, prompts, chunk=2, decode_tail=3)
-    assert calls["n"] == 3 * 3  # 3 decode steps of 3 rows, 3 layers each
     for o, r in zip(ours, ref):
         assert relative_error(o, r) <= 1e-5
 

@@ -157,7 +157,7 @@ def test_single_request_decode_on_the_fused_path_against_hf_float32(checkpoint):
     llm = LLM(str(path), overrides=OVERRIDES)
     eng = llm.engine
     assert_gpu_defaults(eng)
-    assert eng.model.model.fused_max_rows >= 1 and 1 in eng.attn_backend.split_graphs
+    assert eng.model.model.fused_gemv and 1 in eng.attn_backend.split_graphs
     ours = prefill_logits(eng, [seq], decode_tail=NEW_TOKENS, use_graph=True)[0][-NEW_TOKENS:]
     llm.shutdown()
     del llm, eng

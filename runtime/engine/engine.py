@@ -82,12 +82,12 @@ class Engine:
         if use_fi and not on_gpu:
             raise ValueError("engine.kernels=flashinfer needs a CUDA device")
         kernels = FLASHINFER_KERNELS if use_fi else TORCH_KERNELS
-        # The fused layers pay inside CUDA graphs only (eagerly, the 1B step took 5.7 ms against 4.7:
-        # Triton's launch overhead on the host).
+        # The fused single-token layers pay inside CUDA graphs only (eagerly, the 1B step took 5.7 ms
+        # against 4.7: Triton's launch overhead on the host).
+        # auto fuses wherever it can: faster at every measured width (135M to 8B shapes, benchmarks/README.md).
         fused = cfg.engine.fused_gemv != "never"
         if fused and use_fi and self.tp_size == 1 and cfg.engine.cuda_graph_max_bs > 0 and gemv.supported(self.device):
-            kernels = dataclasses.replace(kernels, fused_max_rows=gemv.fused_max_rows(
-                cfg.engine.fused_gemv, model_config.hidden_size, cfg.engine.cuda_graph_max_bs))
+            kernels = dataclasses.replace(kernels, fused_gemv=True)
         free_before = self._free_memory()
         self.model = load_model(
             model_dir, model_config, self.device, self.dtype, self.max_seq_len + 1,
