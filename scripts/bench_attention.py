@@ -99,7 +99,7 @@ def triton_impl(a: argparse.Namespace, c: dict, splits: int | None) -> Callable:
 
 def wrapper_impl(
     a: argparse.Namespace, c: dict, layout: str, tensor_cores: bool, backend: str, no_split: bool = False,
-    rope: bool = False,
+    rope: bool = False, split_size: int | None = None,
 ) -> Callable:
     import flashinfer
 
@@ -112,7 +112,8 @@ def wrapper_impl(
         paged_kv_last_page_len_buffer=torch.zeros(a.batch, dtype=torch.int32, device=dev),
     )
     w.plan(c["indptr"], c["indices"], c["last"], a.heads, a.kv_heads, a.head_dim, a.page_size,
-           q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, disable_split_kv=no_split)
+           q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, disable_split_kv=no_split,
+           fixed_split_size=split_size)
     out = torch.empty_like(c["q"])
     if rope:
         return with_rope(a, c, lambda q: w.run(q, (c["k"], c["v"]), out=out))
@@ -140,12 +141,13 @@ def build(a: argparse.Namespace, impl: str, c: dict, layout: str) -> Callable:
         return triton_impl(a, c, int(impl[8:]) if impl.startswith("triton_s") else None)
     if impl == "cuda":
         return wrapper_impl(a, c, layout, False, "auto", rope=rope)
-    if impl.startswith("tc_"):  # tc_fa2, tc_fa3, tc_auto; a "_nosplit" suffix plans without split-KV
-        name = impl[3:].removesuffix("_nosplit")
-        return wrapper_impl(a, c, layout, True, name, impl.endswith("_nosplit"), rope=rope)
+    if impl.startswith("tc_"):  # tc_fa2, tc_fa3, tc_auto; "_nosplit": no split-KV; "_split<N>": splits of N pages
+        name, _, split = impl[3:].removesuffix("_nosplit").partition("_split")
+        return wrapper_impl(a, c, layout, True, name, impl.endswith("_nosplit"), rope=rope,
+                            split_size=int(split) if split else None)
     if impl == "xqa":
         return xqa_impl(a, c, layout)
-    raise ValueError(f"unknown --impls entry {impl!r} (cuda, tc_fa2, tc_fa3, tc_auto, tc_fa2_nosplit, xqa, "
+    raise ValueError(f"unknown --impls entry {impl!r} (cuda, tc_fa2, tc_fa3, tc_auto, tc_fa2_nosplit, tc_fa2_split<N>, xqa, "
                      "with +rope; triton, triton_s<N>)")
 
 
