@@ -135,15 +135,13 @@ def test_split_decode_matches_float64(heads, kv_heads, dim, positions, splits):
     assert torch.equal(flat[1, case["out_loc"]].cpu(), v_ref.cpu())
 
 
-@pytest.mark.parametrize("merge_in_last_split", [True, False])
-def test_split_decode_replays_in_a_cuda_graph_with_new_positions(merge_in_last_split, monkeypatch):
+def test_split_decode_replays_in_a_cuda_graph_with_new_positions():
     """Captured once over one workspace, replayed three times after the positions, rows and slots changed:
-    equal to an eager call each time (with the merge in the last split, every replay finds its counters
-    back at zero)."""
+    equal to an eager call each time (the last split merges, so every replay must find its counters back
+    at zero)."""
     from runtime.engine.attention import split_decode as sd
     from tests.test_split_decode import make_case, run
 
-    monkeypatch.setattr(sd, "MERGE_IN_LAST_SPLIT", merge_in_last_split)
     case = make_case(32, 8, 64, [100, 5, 1700, 31], 16, torch.bfloat16, device="cuda", seed=9)
     fresh = make_case(32, 8, 64, [640, 1700, 2, 47], 16, torch.bfloat16, device="cuda", seed=9)
     static = {k: case[k] for k in ("pos", "rows", "out_loc")}

@@ -2,20 +2,22 @@
 
 At one request a layer's flashinfer decode is three kernels (RoPE + KV store, the split-KV decode,
 the merge of its splits: 2.6 + 6.5 + 3.2 us on the 1B shape, ~12 us a layer against ~40 us for all
-of its weights). Here it is two, both short:
+of its weights). Here it is one, ``_split_attend``, with one program per (request, KV head, split):
 
-- ``_split_attend``, one program per (request, KV head, split): rotates its q heads and the new k
-  (neox RoPE over the whole head, float32, rounded to the model dtype as the cache and the unfused
-  path hold them), writes the new K and V to the cache (split 0 only), attends over its share of the
-  cached tokens through the page table, adds the new token from registers (no program reads a slot
-  another program writes in the same step) and leaves its partial softmax state in a workspace;
-- ``_merge_splits``, one program per (request, KV head), combines the splits' states.
+- it rotates its q heads and the new k (neox RoPE over the whole head, float32, rounded to the model
+  dtype as the cache and the unfused path hold them) and writes the new K and V to the cache (split 0
+  only);
+- it attends over its share of the cached tokens through the page table and adds the new token from
+  registers (no program reads a slot another program writes in the same step);
+- it leaves its partial softmax state in a workspace, and the last split of each (request, KV head) to
+  finish (an atomic counter per head) merges the splits' states: no second kernel, one kernel boundary
+  less per layer (the steady 1B batch-1 step 0.846 against 0.854 ms with a merge kernel).
 
-With one split the first kernel writes the output itself. The split count is fixed per captured
+With one split the program writes the output itself. The split count is fixed per captured
 graph (the grid must not change between replays); each program's share of the sequence is computed
 on the device from the request's position, in whole blocks. Scores and the weighted sum accumulate
 in float32 on the CUDA cores (a handful of query heads per KV head gives a tensor core nothing to
-do), and both kernels use programmatic dependent launch on Hopper like ``models/gemv.py``: ahead of
+do), and the kernel uses programmatic dependent launch on Hopper like ``models/gemv.py``: ahead of
 ``gdc_wait`` they read only what no PDL kernel of the step writes (positions, page table, the layer's
 cached K/V: ARCHITECTURE.md, invariant 13; the new token's slot is read after it).
 """
@@ -35,9 +37,6 @@ except ImportError:  # CPU-only installs never reach the flashinfer backend
     triton = None
 
 LOG2E = 1.4426950408889634
-# The last split of each (request, KV head) to finish merges the splits' states itself (an atomic counter
-# per head) instead of a second kernel after the first: one kernel boundary less per layer.
-MERGE_IN_LAST_SPLIT = True
 
 if triton is not None:
 
@@ -69,7 +68,7 @@ if triton is not None:
         q_ptr, q_stride, kv_ptr, kv_stride, pos_ptr, row_ptr, loc_ptr, cos_sin_ptr, table_ptr, table_stride,
         cache_ptr, plane_stride, part_ptr, count_ptr, out_ptr, scale,
         HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HALF: tl.constexpr,
-        PAGE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_LAST: tl.constexpr, PDL: tl.constexpr,
+        PAGE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -155,9 +154,8 @@ if triton is not None:
             tl.store(part[:, None] + HALF + dims[None, :], acc2)
             tl.store(part + D, m)
             tl.store(part + D + 1, lsum)
-            if MERGE_LAST:
-                _merge_if_last(part_ptr, count_ptr, out_ptr, b, h, tl.cdiv(pos + 1, share), HQ, HKV, GROUP, GROUP_P2,
-                               D, SPLITS)
+            _merge_if_last(part_ptr, count_ptr, out_ptr, b, h, tl.cdiv(pos + 1, share), HQ, HKV, GROUP, GROUP_P2,
+                           D, SPLITS)
 
     @triton.jit
     def _merge(
@@ -197,20 +195,6 @@ if triton is not None:
         if finished == live_splits - 1:
             _merge(part_ptr, out_ptr, b, h, live_splits, HQ, HKV, GROUP, GROUP_P2, D, SPLITS)
             tl.atomic_xchg(count, 0)  # ready for the next layer (which runs after this kernel ends)
-
-    @triton.jit
-    def _merge_splits(
-        part_ptr, pos_ptr, out_ptr, HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr,
-        GROUP_P2: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
-    ):
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        pos = tl.load(pos_ptr + b)
-        live_splits = tl.cdiv(pos + 1, _share(pos, SPLITS, BLOCK_N))  # the splits _split_attend wrote
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        _merge(part_ptr, out_ptr, b, h, live_splits, HQ, HKV, GROUP, GROUP_P2, D, SPLITS)
 
 
 def supports(head_dim: int) -> bool:
@@ -256,18 +240,11 @@ def split_decode(
     pdl = use_pdl(q.device.index or 0)
     block = block_tokens(group, dim)
     warps = 4 if group * dim <= 512 else 8
-    merge_last = MERGE_IN_LAST_SPLIT and splits > 1
     counters = workspace[workspace.numel() - batch * kv_heads:].view(torch.int32)
     _split_attend[(batch, kv_heads, splits)](
         q, q.stride(0), kv, kv.stride(0), positions, rows, out_loc, cos_sin, page_table, page_table.stride(0),
         cache, cache.stride(0), workspace, counters, out, LOG2E / math.sqrt(dim),
         HQ=heads, HKV=kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group), HALF=dim // 2,
-        PAGE=cache.shape[2], SPLITS=splits, BLOCK_N=block, MERGE_LAST=merge_last, PDL=pdl,
-        launch_pdl=pdl, num_warps=warps,
+        PAGE=cache.shape[2], SPLITS=splits, BLOCK_N=block, PDL=pdl, launch_pdl=pdl, num_warps=warps,
     )
-    if splits > 1 and not merge_last:
-        _merge_splits[(batch, kv_heads)](
-            workspace, positions, out, HQ=heads, HKV=kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group),
-            D=dim, SPLITS=splits, BLOCK_N=block, PDL=pdl, launch_pdl=pdl, num_warps=4,
-        )
     return out
