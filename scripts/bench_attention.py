@@ -12,7 +12,8 @@ on first use (FLASHINFER_DISABLE_JIT unset).
 
 A ``+rope`` suffix runs our RoPE + KV-store kernel before the flashinfer call, as the engine does each layer;
 ``triton`` (``triton_s<N>``: with N splits) is ``runtime/engine/attention/split_decode.py``, which rotates,
-stores and attends in its own kernels; only these are comparable with each other.
+stores and attends in its own kernels; only these are comparable with each other. ``paged`` is
+``runtime/engine/attention/paged_decode.py`` (attention only, as the plain flashinfer entries).
 """
 
 from __future__ import annotations
@@ -97,6 +98,22 @@ def triton_impl(a: argparse.Namespace, c: dict, splits: int | None) -> Callable:
                                    splits).view(a.batch, a.heads, a.head_dim)
 
 
+def paged_impl(a: argparse.Namespace, c: dict) -> Callable:
+    """runtime/engine/attention/paged_decode.py with the engine's chunk rule (the cache already holds each
+    request's last token, so it attends over the same lengths as flashinfer)."""
+    from runtime.engine.attention import paged_decode as pd
+
+    dev = c["q"].device
+    chunk = pd.chunk_tokens(a.batch, a.kv_heads)
+    chunks = pd.num_chunks(c["table"].shape[1] * a.page_size, chunk)
+    workspace = torch.empty(max(pd.workspace_size(a.batch, a.kv_heads, a.heads // a.kv_heads, a.head_dim, chunks), 1),
+                            device=dev)
+    counters = pd.new_counters(a.batch, a.kv_heads, dev)
+    rows = torch.arange(a.batch, device=dev)
+    return lambda: pd.paged_decode(c["q"], c["positions"], rows, c["table"], c["kv"], workspace, counters, chunk,
+                                   chunks).view(a.batch, a.heads, a.head_dim)
+
+
 def wrapper_impl(
     a: argparse.Namespace, c: dict, layout: str, tensor_cores: bool, backend: str, no_split: bool = False,
     rope: bool = False, split_size: int | None = None,
@@ -137,6 +154,8 @@ def xqa_impl(a: argparse.Namespace, c: dict, layout: str) -> Callable:
 def build(a: argparse.Namespace, impl: str, c: dict, layout: str) -> Callable:
     rope = impl.endswith("+rope")
     impl = impl.removesuffix("+rope")
+    if impl == "paged":
+        return paged_impl(a, c)
     if impl == "triton" or impl.startswith("triton_s"):
         return triton_impl(a, c, int(impl[8:]) if impl.startswith("triton_s") else None)
     if impl == "cuda":
@@ -148,7 +167,7 @@ def build(a: argparse.Namespace, impl: str, c: dict, layout: str) -> Callable:
     if impl == "xqa":
         return xqa_impl(a, c, layout)
     raise ValueError(f"unknown --impls entry {impl!r} (cuda, tc_fa2, tc_fa3, tc_auto, tc_fa2_nosplit, tc_fa2_split<N>, xqa, "
-                     "with +rope; triton, triton_s<N>)")
+                     "with +rope; triton, triton_s<N>; paged)")
 
 
 def time_graph(fn: Callable) -> tuple[float, torch.Tensor]:

@@ -161,3 +161,56 @@ def test_split_decode_replays_in_a_cuda_graph_with_new_positions():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "positions", "chunk"),
+    [
+        (9, 3, 64, [0, 15, 16, 700, 1999, 257, 40, 1023, 1024], 256),  # SmolLM2
+        (32, 8, 64, [3, 900, 2047, 64], 128),
+        (28, 4, 128, [1500, 7, 300], 512),  # Qwen2.5-7B's 7 q heads per KV head
+        (32, 8, 128, list(range(0, 2000, 97)), 1024),
+    ],
+)
+def test_paged_decode_matches_float64(heads, kv_heads, dim, positions, chunk):
+    """The compiled kernel in bf16 (after the RoPE + KV write) against the float64 reference."""
+    from tests.test_paged_decode import run
+    from tests.test_split_decode import make_case, reference
+
+    case = make_case(heads, kv_heads, dim, positions, 16, torch.bfloat16, device="cuda", seed=len(positions))
+    ref = reference(case)[0]
+    out = run(case, chunk)
+    rel = float((out.double().cpu() - ref).norm() / ref.norm())
+    assert rel < 5e-3, rel  # bf16 output rounding is ~2e-3, P rounded to bf16 as in flashinfer
+
+
+def test_paged_decode_replays_in_a_cuda_graph_with_new_positions():
+    """Captured once, replayed three times after the positions, rows and slots changed: equal to an eager call
+    each time (the last chunk merges, so every replay must find its counters back at zero)."""
+    from runtime.engine.attention import paged_decode as pd
+    from tests.test_paged_decode import run
+    from tests.test_split_decode import make_case
+
+    positions, fresh_positions = [100, 5, 1999, 31, 900, 0], [640, 1700, 2, 47, 1999, 1024]  # same table shape
+    case = make_case(9, 3, 64, positions, 16, torch.bfloat16, device="cuda", seed=9)
+    fresh = make_case(9, 3, 64, fresh_positions, 16, torch.bfloat16, device="cuda", seed=9)
+    static = {k: case[k] for k in ("pos", "rows", "out_loc")}
+    chunks = pd.num_chunks(case["table"].shape[1] * 16, 256)
+    workspace = torch.empty(pd.workspace_size(6, 3, 3, 64, chunks), device="cuda")
+    counters = pd.new_counters(6, 3, torch.device("cuda"))
+    run(case, 256, chunks, workspace, counters)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(case, 256, chunks, workspace, counters)
+    for k in static:
+        static[k].copy_(fresh[k])
+    case["table"].copy_(fresh["table"])
+    fresh_cache, fresh_qkv = fresh["cache"].buffer.clone(), fresh["qkv"].clone()  # run() rotates q in place
+    expected = run(fresh, 256, chunks)
+    for _ in range(3):
+        case["cache"].buffer.copy_(fresh_cache)
+        case["qkv"].copy_(fresh_qkv)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)

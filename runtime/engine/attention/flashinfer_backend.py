@@ -13,6 +13,7 @@ import torch
 
 from models.context import get_ctx
 from runtime.batch import Batch
+from runtime.engine.attention import paged_decode as pd
 from runtime.engine.attention import split_decode as sd
 from runtime.engine.attention.rope_store import rope_and_store
 from runtime.engine.kv_cache import KVCache
@@ -34,6 +35,13 @@ CUDA_CORE_GROUP_SIZES = (1, 2, 3, 4, 8)
 # request of 250-300 tokens 6.6 against 9.1 us, of 200-2000 tokens 11.5 against 9.8; two requests
 # 19.4 against 11.6, eight 52.4 against 16.4 (one program per block does not scale with the batch).
 SPLIT_DECODE_MAX_BATCH = 1
+# Captured decode graphs of at least this many requests attend with paged_decode.py (one Triton kernel, chunks
+# merged in the last one, no host plan) after the RoPE + KV write, instead of flashinfer + its merge.
+# scripts/bench_attention.py on the H200 (inside graphs, 200-1400 tokens, us a call, flashinfer's better kernel
+# against paged_decode): 9/3 heads x 64 at 2 requests 7.9 against 6.9, at 16 9.3 against 10.1, at 128 37.7
+# against 30.2, at 256 60.2 against 49.0; 32/8 x 64 at 2 8.2 against 7.6, at 32 28.3 against 21.2, at 256
+# 133.6 against 117.1; 32/8 x 128 at 256 216.8 against 209.3.
+PAGED_DECODE_MIN_BATCH = 2
 
 
 def paged_layout(kv_lens: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -71,6 +79,11 @@ class FlashInferBackend:
         self._plan_done: dict[int, torch.cuda.Event] = {}
         self.active: object = None
         self.split: tuple[int, torch.Tensor] | None = None  # this step's, when it decodes on split_decode
+        # Captured sizes that decode on paged_decode: (chunk tokens, chunk count, workspace, counters). Graphs
+        # never run at once, so they share these buffers: a new one only when a size needs more than the last.
+        self.paged_graphs: dict[int, tuple[int, int, torch.Tensor, torch.Tensor]] = {}
+        self.paged: tuple[int, int, torch.Tensor, torch.Tensor] | None = None  # this step's, on paged_decode
+        self._paged_buffers: list[torch.Tensor] = []
 
     def decode_uses_tensor_cores(self, batch_size: int) -> bool:
         return batch_size >= TENSOR_CORE_DECODE_MIN_BATCH or not self.cuda_cores_allowed
@@ -102,7 +115,7 @@ class FlashInferBackend:
         self.active = wrapper
 
     def prepare(self, batch: Batch, wrapper: object | None = None) -> None:
-        self.split = None
+        self.split = self.paged = None
         hq, hkv, dim = self.heads
         page = self.kv_cache.page_size
         num_pages, indptr, last_len = paged_layout(batch.kv_lens, page)
@@ -127,6 +140,10 @@ class FlashInferBackend:
             return sd.split_decode(q, kv, batch.positions, batch.req_rows, batch.out_loc, cos_sin, self.page_table,
                                    self.kv_cache.buffer[layer_id], workspace, splits)
         rope_and_store(batch.positions, q, kv, cos_sin, self.kv_cache, layer_id, batch.out_loc)
+        if self.paged is not None:
+            chunk, chunks, workspace, counters = self.paged
+            return pd.paged_decode(q, batch.positions, batch.req_rows, self.page_table, self.kv_cache.buffer[layer_id],
+                                   workspace, counters, chunk, chunks)
         # q may be a strided view into the fused qkv output: the kernels take its row and head strides.
         return self.active.run(q, (self.kv_cache.k(layer_id), self.kv_cache.v(layer_id)))
 
@@ -138,6 +155,14 @@ class FlashInferBackend:
             splits = sd.num_splits(bs, hkv, hq // hkv, dim, max_pages_per_req * self.kv_cache.page_size)
             self.split_graphs[bs] = splits, sd.new_workspace(bs, hkv, hq // hkv, dim, splits, dev)
             return
+        if bs >= PAGED_DECODE_MIN_BATCH and pd.supports(hq, hkv, dim):
+            chunk = pd.chunk_tokens(bs, hkv)
+            chunks = pd.num_chunks(max_pages_per_req * self.kv_cache.page_size, chunk)
+            states = pd.workspace_size(bs, hkv, hq // hkv, dim, chunks)
+            workspace = self._shared(states, lambda: torch.empty(max(states, 1), dtype=torch.float32, device=dev))
+            counters = self._shared(bs * hkv, lambda: pd.new_counters(bs, hkv, dev), torch.int32)
+            self.paged_graphs[bs] = chunk, chunks, workspace, counters
+            return
         self.graph_decode[bs] = self._decode_wrapper(
             self.decode_uses_tensor_cores(bs),
             paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=dev),
@@ -145,10 +170,24 @@ class FlashInferBackend:
             paged_kv_last_page_len_buffer=torch.zeros(bs, dtype=torch.int32, device=dev),
         )
 
+    def _shared(self, numel: int, new, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # noqa: ANN001
+        """The largest buffer of ``dtype`` so far if it holds ``numel`` elements, else a new one from ``new()``
+        (earlier graphs keep theirs)."""
+        held = [t for t in self._paged_buffers if t.dtype == dtype]
+        if held and held[-1].numel() >= numel:
+            return held[-1]
+        self._paged_buffers.append(new())
+        return self._paged_buffers[-1]
+
     def prepare_graph(self, batch: Batch) -> None:
         """Plan the graph wrapper of ``batch.padded_size`` (before capture and before every replay)."""
+        self.split = self.paged = None
         split = self.split_graphs.get(batch.padded_size)
         if split is not None:  # split_decode reads positions and page-table rows on the device: no plan
             self.active, self.split = None, split
+            return
+        paged = self.paged_graphs.get(batch.padded_size)
+        if paged is not None:  # so does paged_decode
+            self.active, self.paged = None, paged
             return
         self.prepare(batch, self.graph_decode[batch.padded_size])

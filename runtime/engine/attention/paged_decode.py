@@ -1,0 +1,175 @@
+"""Batched paged decode attention for CUDA graphs (Triton, tensor cores), after the engine's RoPE + KV write.
+
+flashinfer's tensor-core decode (its fa2 prefill kernel with a host plan) reads a 9/3-head x 64 cache at
+~2.0 TB/s at 128 requests and ~2.6 TB/s at 256, plus a split-KV merge kernel per layer. Here one kernel
+does both, with no host plan: one program per (request, KV head, chunk of ``chunk`` cached tokens):
+
+- the program's query heads (the GQA group, padded to the 16 rows a tensor-core tile needs) stay in
+  registers; it walks its chunk in blocks of 64 tokens through the page table, ``q @ K^T`` and
+  ``P @ V`` on the tensor cores (P rounded to the model dtype, as flashinfer's kernel does), online
+  softmax in float32, and Triton pipelines the block loads (``num_stages``);
+- a request's chunks past its length return at once (the grid is fixed per captured graph: the largest
+  sequence's chunk count), so each live program reads the same number of bytes, whatever the mix of
+  lengths;
+- with several chunks, each leaves its partial softmax state in a workspace and the last of a (request,
+  KV head) to finish merges them (split_decode.py's counter scheme), so there is no second kernel.
+
+The chunk size is chosen per captured batch size (``chunk_tokens``): more, shorter chunks when there are
+few (request, KV head) pairs to spread over the SMs, fewer and longer ones when there are many, where a
+chunk's fixed cost (its q load, its state, the merge) would show. The cache holds the step's new token
+already (``rope_store.py`` ran first), so a request attends over ``position + 1`` tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from runtime.engine.attention.split_decode import LOG2E
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs never reach the flashinfer backend
+    triton = None
+
+BLOCK_TOKENS = 64
+
+if triton is not None:
+    from runtime.engine.attention.split_decode import _merge_if_last
+
+    @triton.jit
+    def _attend_block(
+        q, m, lsum, acc, pages, head, t0, end, plane_stride, scale, HKV: tl.constexpr, D: tl.constexpr,
+        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    ):
+        """One block of cached tokens [t0, t0 + BLOCK_N) below ``end`` folded into the running softmax state."""
+        t = t0 + tl.arange(0, BLOCK_N)
+        t_ok = t < end
+        page = tl.load(pages + t // PAGE, mask=t_ok, other=0).to(tl.int64)
+        slot = head + ((page * PAGE) + t % PAGE)[:, None] * (HKV * D)
+        k = tl.load(slot, mask=t_ok[:, None], other=0.0)
+        v = tl.load(slot + plane_stride, mask=t_ok[:, None], other=0.0)
+        if INTERPRET:  # the interpreter's bf16 products are wrong: float32 operands, same rounding of P
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(t_ok[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        lsum = lsum * alpha + tl.sum(p, axis=1)
+        if INTERPRET:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        return m_new, lsum, acc * alpha[:, None] + pv
+
+    @triton.jit
+    def _chunk_attend(
+        q_ptr, q_stride, pos_ptr, row_ptr, table_ptr, table_stride, cache_ptr, plane_stride, part_ptr, count_ptr,
+        out_ptr, scale, HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+        D: tl.constexpr, QROWS: tl.constexpr, PAGE: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr,
+        BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        c = tl.program_id(2)
+        n = tl.load(pos_ptr + b) + 1  # the cached tokens, the step's own included
+        start = c * CHUNK
+        if start >= n:  # a chunk past this request's sequence: nothing to read or write (the merge skips it)
+            return
+        end = tl.minimum(start + CHUNK, n)
+        g = tl.arange(0, QROWS)
+        g_ok = g < GROUP
+        dims = tl.arange(0, D)
+        q = tl.load(q_ptr + b.to(tl.int64) * q_stride + (h * GROUP + g)[:, None] * D + dims[None, :],
+                    mask=g_ok[:, None], other=0.0)
+        pages = table_ptr + tl.load(row_ptr + b).to(tl.int64) * table_stride
+        head = cache_ptr + h * D + dims[None, :]
+        m = tl.full((QROWS,), float("-inf"), tl.float32)
+        lsum = tl.zeros((QROWS,), tl.float32)
+        acc = tl.zeros((QROWS, D), tl.float32)
+        # Compiled, a for loop over a trip count known on the device (Triton pipelines its loads); the
+        # interpreter (the CPU tests) cannot range over a runtime bound, so it walks the chunk in a while loop.
+        if INTERPRET:
+            t0 = start
+            while t0 < end:
+                m, lsum, acc = _attend_block(q, m, lsum, acc, pages, head, t0, end, plane_stride, scale, HKV, D, PAGE,
+                                             BLOCK_N, INTERPRET)
+                t0 += BLOCK_N
+        else:
+            for i in range(0, tl.cdiv(end - start, BLOCK_N)):
+                m, lsum, acc = _attend_block(q, m, lsum, acc, pages, head, start + i * BLOCK_N, end, plane_stride,
+                                             scale, HKV, D, PAGE, BLOCK_N, INTERPRET)
+        if CHUNKS_P2 == 1:
+            out = out_ptr + b.to(tl.int64) * (HQ * D) + (h * GROUP + g)[:, None] * D + dims[None, :]
+            tl.store(out, (acc / lsum[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+        else:
+            # Workspace [requests, HKV, CHUNKS_P2, GROUP_P2, D + 2], split_decode's layout: the unnormalised
+            # sum, the running max (log2 units), the sum.
+            part = part_ptr + (((b * HKV + h) * CHUNKS_P2 + c) * GROUP_P2 + g).to(tl.int64) * (D + 2)
+            tl.store(part[:, None] + dims[None, :], acc, mask=g_ok[:, None])
+            tl.store(part + D, m, mask=g_ok)
+            tl.store(part + D + 1, lsum, mask=g_ok)
+            _merge_if_last(part_ptr, count_ptr, out_ptr, b, h, tl.cdiv(n, CHUNK), HQ, HKV, GROUP, GROUP_P2, D,
+                           CHUNKS_P2)
+
+
+def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Triton is present, the head is a power of two of at least 16 (tl.arange, tl.dot) and a GQA group
+    fits one 16-row tile."""
+    return (triton is not None and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+            and num_heads // num_kv_heads <= 16)
+
+
+def chunk_tokens(batch_size: int, kv_heads: int) -> int:
+    """Cached tokens per program: the (request, KV head) pair count rounded up to a power of two, within
+    128-1024. Measured at 9/3 heads x 64 (scripts/bench_attention.py, 200-1400 tokens): 64 requests 256,
+    128 requests 512, 256 requests 1024 (and 1024 at 32/8 heads)."""
+    return max(128, min(1024, triton.next_power_of_2(batch_size * kv_heads)))
+
+
+def num_chunks(max_len: int, chunk: int) -> int:
+    """The grid's chunk axis, a power of two (the merge's tl.arange)."""
+    return triton.next_power_of_2(triton.cdiv(max_len, chunk))
+
+
+def workspace_size(batch_size: int, kv_heads: int, group: int, head_dim: int, chunks: int) -> int:
+    """Float32 elements of the chunks' partial states (none with one chunk)."""
+    return batch_size * kv_heads * chunks * triton.next_power_of_2(group) * (head_dim + 2) if chunks > 1 else 0
+
+
+def new_counters(batch_size: int, kv_heads: int, device: torch.device) -> torch.Tensor:
+    """One finished-chunks counter per (request, KV head), zeroed; the merging chunk resets its counter, so
+    the zeros hold from one call to the next (and across batch sizes sharing the tensor)."""
+    return torch.zeros(batch_size * kv_heads, dtype=torch.int32, device=device)
+
+
+def paged_decode(
+    q: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, page_table: torch.Tensor, cache: torch.Tensor,
+    workspace: torch.Tensor, counters: torch.Tensor, chunk: int, chunks: int,
+) -> torch.Tensor:
+    """Attention of one token per request over its cached tokens ``[0, position]`` (the new one stored).
+
+    ``q``: ``[B, heads, d]``, rotated (rows may be strided, heads and dims dense); ``positions`` and ``rows``
+    (page-table rows): ``[B]``; ``cache``: this layer's ``[2, pages, page_size, kv_heads, d]``;
+    ``workspace``: float32, at least ``workspace_size`` elements; ``counters``: from ``new_counters`` for at
+    least this batch. Returns ``[B, heads * d]``.
+    """
+    batch, heads, dim = q.shape
+    kv_heads = cache.shape[3]
+    group = heads // kv_heads
+    out = torch.empty(batch, heads * dim, dtype=q.dtype, device=q.device)
+    grid_chunks = min(chunks, triton.cdiv(page_table.shape[1] * cache.shape[2], chunk))
+    _chunk_attend[(batch, kv_heads, grid_chunks)](
+        q, q.stride(0), positions, rows, page_table, page_table.stride(0), cache, cache.stride(0), workspace,
+        counters, out, LOG2E / math.sqrt(dim),
+        HQ=heads, HKV=kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group), D=dim,
+        QROWS=max(16, triton.next_power_of_2(group)), PAGE=cache.shape[2], CHUNK=chunk, CHUNKS_P2=chunks,
+        BLOCK_N=BLOCK_TOKENS, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=4, num_stages=3 if dim <= 64 else 2,
+    )
+    return out

@@ -1,0 +1,88 @@
+"""The batched decode attention kernel (runtime/engine/attention/paged_decode.py) against float64 over a paged
+cache, after the engine's RoPE + KV write, on CPU through Triton's interpreter (conftest sets TRITON_INTERPRET=1
+where there is no GPU; tests/test_gpu_kernels.py runs it compiled)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.engine.attention import paged_decode as pd
+from runtime.engine.attention.rope_store import rope_and_store
+from tests.test_split_decode import make_case, reference
+
+
+def run(case: dict, chunk: int, chunks: int | None = None, workspace: torch.Tensor | None = None,
+        counters: torch.Tensor | None = None) -> torch.Tensor:
+    """The engine's order: rotate q and k and store the new K and V, then attend over the cache."""
+    q, kv, cache = case["q"], case["kv"], case["cache"]
+    batch, heads, dim = q.shape
+    kv_heads = kv.shape[2]
+    chunks = chunks or pd.num_chunks(case["table"].shape[1] * cache.page_size, chunk)
+    if workspace is None:
+        size = pd.workspace_size(batch, kv_heads, heads // kv_heads, dim, chunks)
+        workspace = torch.empty(max(size, 1), dtype=torch.float32, device=q.device)
+    counters = pd.new_counters(batch, kv_heads, q.device) if counters is None else counters
+    rope_and_store(case["pos"], q, kv, case["cos_sin"], cache, 0, case["out_loc"])
+    return pd.paged_decode(q, case["pos"], case["rows"], case["table"], cache.buffer[0], workspace, counters,
+                           chunk, chunks)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "chunk", "positions"),
+    [
+        (9, 3, 32, 64, [0, 5, 63, 64, 65, 200]),  # SmolLM2's group of 3; chunk edges, empty chunks
+        (4, 1, 32, 128, [0, 1, 15, 16, 17, 40, 127, 128, 300]),
+        (8, 2, 64, 64, [70, 3]),
+        (14, 2, 16, 64, [130]),  # 7 q heads per KV head (Qwen2.5-7B) in a 16-row tile
+        (8, 2, 32, 1024, [3, 500]),  # one chunk covers every sequence: the output is written directly
+    ],
+)
+def test_matches_float64(heads, kv_heads, dim, chunk, positions):
+    case = make_case(heads, kv_heads, dim, positions, 16, torch.float32)
+    ref = reference(case)[0]
+    out = run(case, chunk)
+    assert out.shape == (len(positions), heads * dim)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_chunk_size_does_not_change_the_result():
+    outs = []
+    for chunk in (64, 128, 512):
+        case = make_case(8, 2, 32, [3, 47, 130, 260], 16, torch.float32, seed=5)
+        outs.append(run(case, chunk))
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_the_last_chunk_merges_and_leaves_its_counter_at_zero():
+    """Two calls over one workspace and counter tensor larger than this batch needs (the engine shares them
+    between graph sizes): the counters are back at zero after each call, and the results equal float64."""
+    case = make_case(8, 2, 32, [3, 47, 130], 16, torch.float32, seed=6)
+    ref = reference(case)[0]
+    workspace = torch.full((10_000,), float("nan"))
+    counters = pd.new_counters(7, 2, case["q"].device)
+    first = run(case, 64, workspace=workspace, counters=counters)
+    assert torch.equal(counters, torch.zeros_like(counters))
+    torch.testing.assert_close(first.double(), ref, rtol=1e-5, atol=1e-5)
+    again = make_case(8, 2, 32, [3, 47, 130], 16, torch.float32, seed=6)
+    torch.testing.assert_close(run(again, 64, workspace=workspace, counters=counters), first, rtol=0, atol=0)
+
+
+def test_a_separate_q_tensor_is_read_through_its_strides():
+    case = make_case(4, 2, 32, [9, 90], 16, torch.float32, fused_q=False, seed=2)
+    ref = reference(case)[0]  # before run(), which rotates q in place
+    torch.testing.assert_close(run(case, 64).double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_chunk_rule():
+    """(request, KV head) pairs rounded up to a power of two, within 128-1024 tokens a chunk."""
+    assert pd.chunk_tokens(16, 3) == 128
+    assert pd.chunk_tokens(64, 3) == 256
+    assert pd.chunk_tokens(128, 3) == 512
+    assert pd.chunk_tokens(256, 3) == 1024
+    assert pd.chunk_tokens(256, 8) == 1024
+    assert pd.num_chunks(2304, 1024) == 4  # 3, rounded up to a power of two for the merge
+    assert pd.num_chunks(1000, 1024) == 1
+    assert pd.supports(9, 3, 64) and pd.supports(28, 4, 128)
+    assert not pd.supports(9, 3, 80)  # not a power of two
