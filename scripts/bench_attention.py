@@ -12,8 +12,8 @@ on first use (FLASHINFER_DISABLE_JIT unset).
 
 A ``+rope`` suffix runs our RoPE + KV-store kernel before the flashinfer call, as the engine does each layer;
 ``triton`` (``triton_s<N>``: with N splits) is ``runtime/engine/attention/split_decode.py``, which rotates,
-stores and attends in its own kernels; only these are comparable with each other. ``paged`` is
-``runtime/engine/attention/paged_decode.py`` (attention only, as the plain flashinfer entries).
+stores and attends in its own kernels; only these are comparable with each other. So is ``paged``
+(``runtime/engine/attention/paged_decode.py``, the same three steps in one kernel).
 """
 
 from __future__ import annotations
@@ -99,19 +99,21 @@ def triton_impl(a: argparse.Namespace, c: dict, splits: int | None) -> Callable:
 
 
 def paged_impl(a: argparse.Namespace, c: dict) -> Callable:
-    """runtime/engine/attention/paged_decode.py with the engine's chunk rule (the cache already holds each
-    request's last token, so it attends over the same lengths as flashinfer)."""
+    """runtime/engine/attention/paged_decode.py with the engine's chunk rule: RoPE, the KV write of each
+    request's last token and the attention (comparable with the ``+rope`` entries)."""
     from runtime.engine.attention import paged_decode as pd
 
     dev = c["q"].device
+    q, kv = qkv_views(a, c["qkv"])
+    cos_sin = cos_sin_table(a, c)
     chunk = pd.chunk_tokens(a.batch, a.kv_heads)
     chunks = pd.num_chunks(c["table"].shape[1] * a.page_size, chunk)
     workspace = torch.empty(max(pd.workspace_size(a.batch, a.kv_heads, a.heads // a.kv_heads, a.head_dim, chunks), 1),
                             device=dev)
     counters = pd.new_counters(a.batch, a.kv_heads, dev)
     rows = torch.arange(a.batch, device=dev)
-    return lambda: pd.paged_decode(c["q"], c["positions"], rows, c["table"], c["kv"], workspace, counters, chunk,
-                                   chunks).view(a.batch, a.heads, a.head_dim)
+    return lambda: pd.paged_decode(q, kv, c["positions"], rows, c["out_loc"], cos_sin, c["table"], c["kv"], workspace,
+                                   counters, chunk, chunks).view(a.batch, a.heads, a.head_dim)
 
 
 def wrapper_impl(

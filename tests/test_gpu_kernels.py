@@ -173,15 +173,24 @@ def test_split_decode_replays_in_a_cuda_graph_with_new_positions():
     ],
 )
 def test_paged_decode_matches_float64(heads, kv_heads, dim, positions, chunk):
-    """The compiled kernel in bf16 (after the RoPE + KV write) against the float64 reference."""
+    """The compiled kernel in bf16 against the float64 reference, and the cache it leaves against the unfused
+    RoPE + KV-write kernel's (V bit for bit; K the same float32 rotation rounded once, up to FMA contraction)."""
+    from runtime.engine.attention.rope_store import rope_and_store
     from tests.test_paged_decode import run
     from tests.test_split_decode import make_case, reference
 
     case = make_case(heads, kv_heads, dim, positions, 16, torch.bfloat16, device="cuda", seed=len(positions))
+    unfused = make_case(heads, kv_heads, dim, positions, 16, torch.bfloat16, device="cuda", seed=len(positions))
     ref = reference(case)[0]
     out = run(case, chunk)
     rel = float((out.double().cpu() - ref).norm() / ref.norm())
     assert rel < 5e-3, rel  # bf16 output rounding is ~2e-3, P rounded to bf16 as in flashinfer
+    rope_and_store(unfused["pos"], unfused["q"], unfused["kv"], unfused["cos_sin"], unfused["cache"], 0,
+                   unfused["out_loc"])
+    fused_k, unfused_k = case["cache"].buffer[0, 0], unfused["cache"].buffer[0, 0]
+    assert torch.equal(case["cache"].buffer[0, 1], unfused["cache"].buffer[0, 1])
+    torch.testing.assert_close(fused_k, unfused_k, rtol=8e-3, atol=8e-3)
+    assert (fused_k != unfused_k).sum() <= fused_k[0, 0].numel() * len(positions)  # only the new slots may differ
 
 
 def test_paged_decode_replays_in_a_cuda_graph_with_new_positions():
@@ -206,7 +215,7 @@ def test_paged_decode_replays_in_a_cuda_graph_with_new_positions():
     for k in static:
         static[k].copy_(fresh[k])
     case["table"].copy_(fresh["table"])
-    fresh_cache, fresh_qkv = fresh["cache"].buffer.clone(), fresh["qkv"].clone()  # run() rotates q in place
+    fresh_cache, fresh_qkv = fresh["cache"].buffer.clone(), fresh["qkv"].clone()  # before run() writes the cache
     expected = run(fresh, 256, chunks)
     for _ in range(3):
         case["cache"].buffer.copy_(fresh_cache)

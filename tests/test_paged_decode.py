@@ -1,6 +1,6 @@
-"""The batched decode attention kernel (runtime/engine/attention/paged_decode.py) against float64 over a paged
-cache, after the engine's RoPE + KV write, on CPU through Triton's interpreter (conftest sets TRITON_INTERPRET=1
-where there is no GPU; tests/test_gpu_kernels.py runs it compiled)."""
+"""The batched decode attention kernel (runtime/engine/attention/paged_decode.py) against float64: RoPE, the
+cache write and chunked attention over a paged cache, on CPU through Triton's interpreter (conftest sets
+TRITON_INTERPRET=1 where there is no GPU; tests/test_gpu_kernels.py runs it compiled)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,11 @@ import pytest
 import torch
 
 from runtime.engine.attention import paged_decode as pd
-from runtime.engine.attention.rope_store import rope_and_store
 from tests.test_split_decode import make_case, reference
 
 
 def run(case: dict, chunk: int, chunks: int | None = None, workspace: torch.Tensor | None = None,
         counters: torch.Tensor | None = None) -> torch.Tensor:
-    """The engine's order: rotate q and k and store the new K and V, then attend over the cache."""
     q, kv, cache = case["q"], case["kv"], case["cache"]
     batch, heads, dim = q.shape
     kv_heads = kv.shape[2]
@@ -23,9 +21,8 @@ def run(case: dict, chunk: int, chunks: int | None = None, workspace: torch.Tens
         size = pd.workspace_size(batch, kv_heads, heads // kv_heads, dim, chunks)
         workspace = torch.empty(max(size, 1), dtype=torch.float32, device=q.device)
     counters = pd.new_counters(batch, kv_heads, q.device) if counters is None else counters
-    rope_and_store(case["pos"], q, kv, case["cos_sin"], cache, 0, case["out_loc"])
-    return pd.paged_decode(q, case["pos"], case["rows"], case["table"], cache.buffer[0], workspace, counters,
-                           chunk, chunks)
+    return pd.paged_decode(q, kv, case["pos"], case["rows"], case["out_loc"], case["cos_sin"], case["table"],
+                           cache.buffer[0], workspace, counters, chunk, chunks)
 
 
 @pytest.mark.parametrize(
@@ -38,12 +35,17 @@ def run(case: dict, chunk: int, chunks: int | None = None, workspace: torch.Tens
         (8, 2, 32, 1024, [3, 500]),  # one chunk covers every sequence: the output is written directly
     ],
 )
-def test_matches_float64(heads, kv_heads, dim, chunk, positions):
+def test_matches_float64_and_writes_the_cache(heads, kv_heads, dim, chunk, positions):
     case = make_case(heads, kv_heads, dim, positions, 16, torch.float32)
-    ref = reference(case)[0]
+    ref, k_ref, v_ref = reference(case)
+    qkv = case["qkv"].clone()
     out = run(case, chunk)
     assert out.shape == (len(positions), heads * dim)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    flat = case["cache"].buffer[0].reshape(2, -1, kv_heads, dim)
+    torch.testing.assert_close(flat[0, case["out_loc"]], k_ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(flat[1, case["out_loc"]], v_ref)  # V is copied, never rounded
+    assert torch.equal(case["qkv"], qkv)  # q and k are rotated in registers, not in place
 
 
 def test_chunk_size_does_not_change_the_result():
@@ -71,8 +73,7 @@ def test_the_last_chunk_merges_and_leaves_its_counter_at_zero():
 
 def test_a_separate_q_tensor_is_read_through_its_strides():
     case = make_case(4, 2, 32, [9, 90], 16, torch.float32, fused_q=False, seed=2)
-    ref = reference(case)[0]  # before run(), which rotates q in place
-    torch.testing.assert_close(run(case, 64).double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(run(case, 64).double(), reference(case)[0], rtol=1e-5, atol=1e-5)
 
 
 def test_chunk_rule():

@@ -35,8 +35,8 @@ CUDA_CORE_GROUP_SIZES = (1, 2, 3, 4, 8)
 # request of 250-300 tokens 6.6 against 9.1 us, of 200-2000 tokens 11.5 against 9.8; two requests
 # 19.4 against 11.6, eight 52.4 against 16.4 (one program per block does not scale with the batch).
 SPLIT_DECODE_MAX_BATCH = 1
-# Captured decode graphs of at least this many requests attend with paged_decode.py (one Triton kernel, chunks
-# merged in the last one, no host plan) after the RoPE + KV write, instead of flashinfer + its merge.
+# Captured decode graphs of at least this many requests attend with paged_decode.py (RoPE, KV write, split-KV
+# attention and merge in one Triton kernel, no host plan) instead of RoPE + flashinfer + merge.
 # scripts/bench_attention.py on the H200 (inside graphs, 200-1400 tokens, us a call, flashinfer's better kernel
 # against paged_decode): 9/3 heads x 64 at 2 requests 7.9 against 6.9, at 16 9.3 against 10.1, at 128 37.7
 # against 30.2, at 256 60.2 against 49.0; 32/8 x 64 at 2 8.2 against 7.6, at 32 28.3 against 21.2, at 256
@@ -139,11 +139,11 @@ class FlashInferBackend:
             splits, workspace = self.split
             return sd.split_decode(q, kv, batch.positions, batch.req_rows, batch.out_loc, cos_sin, self.page_table,
                                    self.kv_cache.buffer[layer_id], workspace, splits)
-        rope_and_store(batch.positions, q, kv, cos_sin, self.kv_cache, layer_id, batch.out_loc)
         if self.paged is not None:
             chunk, chunks, workspace, counters = self.paged
-            return pd.paged_decode(q, batch.positions, batch.req_rows, self.page_table, self.kv_cache.buffer[layer_id],
-                                   workspace, counters, chunk, chunks)
+            return pd.paged_decode(q, kv, batch.positions, batch.req_rows, batch.out_loc, cos_sin, self.page_table,
+                                   self.kv_cache.buffer[layer_id], workspace, counters, chunk, chunks)
+        rope_and_store(batch.positions, q, kv, cos_sin, self.kv_cache, layer_id, batch.out_loc)
         # q may be a strided view into the fused qkv output: the kernels take its row and head strides.
         return self.active.run(q, (self.kv_cache.k(layer_id), self.kv_cache.v(layer_id)))
 

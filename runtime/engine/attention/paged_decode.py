@@ -1,23 +1,25 @@
-"""Batched paged decode attention for CUDA graphs (Triton, tensor cores), after the engine's RoPE + KV write.
+"""Decode attention for CUDA graphs of several requests (Triton, tensor cores): RoPE, the KV write and
+split-KV attention over the paged cache in one kernel, with no host plan.
 
-flashinfer's tensor-core decode (its fa2 prefill kernel with a host plan) reads a 9/3-head x 64 cache at
-~2.0 TB/s at 128 requests and ~2.6 TB/s at 256, plus a split-KV merge kernel per layer. Here one kernel
-does both, with no host plan: one program per (request, KV head, chunk of ``chunk`` cached tokens):
+flashinfer's tensor-core decode (its fa2 prefill kernel with a host plan), after our RoPE + KV-write kernel,
+reads a 9/3-head x 64 cache at ~2.0 TB/s at 128 requests and ~2.6 TB/s at 256, and adds a split-KV merge
+kernel per layer: three kernels, and a plan on the host each step. Here there is one kernel, with one
+program per (request, KV head, chunk of ``chunk`` tokens):
 
-- the program's query heads (the GQA group, padded to the 16 rows a tensor-core tile needs) stay in
-  registers; it walks its chunk in blocks of 64 tokens through the page table, ``q @ K^T`` and
-  ``P @ V`` on the tensor cores (P rounded to the model dtype, as flashinfer's kernel does), online
-  softmax in float32, and Triton pipelines the block loads (``num_stages``);
-- a request's chunks past its length return at once (the grid is fixed per captured graph: the largest
-  sequence's chunk count), so each live program reads the same number of bytes, whatever the mix of
-  lengths;
-- with several chunks, each leaves its partial softmax state in a workspace and the last of a (request,
-  KV head) to finish merges them (split_decode.py's counter scheme), so there is no second kernel.
+- the program rotates its query heads (the GQA group, padded to the 16 rows a tensor-core tile needs) and
+  keeps them in registers, rounded to the model dtype as the unfused path holds them; the program whose
+  chunk holds the step's token also rotates its K and writes K and V to the token's cache slot first;
+- it walks its chunk in blocks of 64 tokens through the page table: ``q @ K^T`` and ``P @ V`` on the tensor
+  cores (P rounded to the model dtype, as in flashinfer's kernel), online softmax in float32, block loads
+  pipelined by Triton (``num_stages``);
+- chunks past a request's length return at once (the grid is fixed per captured graph: the longest
+  sequence's chunk count), so every live program reads about the same bytes, whatever the mix of lengths;
+- with several chunks each leaves its partial softmax state in a workspace, and the last of a (request,
+  KV head) to finish merges them (split_decode.py's counter scheme): no second kernel.
 
-The chunk size is chosen per captured batch size (``chunk_tokens``): more, shorter chunks when there are
-few (request, KV head) pairs to spread over the SMs, fewer and longer ones when there are many, where a
-chunk's fixed cost (its q load, its state, the merge) would show. The cache holds the step's new token
-already (``rope_store.py`` ran first), so a request attends over ``position + 1`` tokens.
+The chunk size is chosen per captured batch size (``chunk_tokens``): shorter chunks where there are few
+(request, KV head) pairs to spread over the SMs, longer ones where there are many and a chunk's fixed
+cost (its q, its state, the merge) would show.
 """
 
 from __future__ import annotations
@@ -68,16 +70,25 @@ if triton is not None:
         return m_new, lsum, acc * alpha[:, None] + pv
 
     @triton.jit
+    def _rotate(row, dims, other, sign, cos, sin, mask):
+        """Neox RoPE of head rows at ``row`` (``[.., D]`` pointers; ``other``: the same rows' halves swapped),
+        in float32: x * cos + sign * swap(x) * sin, i.e. (x1 cos - x2 sin, x2 cos + x1 sin), rope_store.py's."""
+        x = tl.load(row + dims, mask=mask, other=0.0).to(tl.float32)
+        x_swapped = tl.load(row + other, mask=mask, other=0.0).to(tl.float32)
+        return x * cos + sign * x_swapped * sin
+
+    @triton.jit
     def _chunk_attend(
-        q_ptr, q_stride, pos_ptr, row_ptr, table_ptr, table_stride, cache_ptr, plane_stride, part_ptr, count_ptr,
-        out_ptr, scale, HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
-        D: tl.constexpr, QROWS: tl.constexpr, PAGE: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr,
-        BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+        q_ptr, q_stride, kv_ptr, kv_stride, pos_ptr, row_ptr, loc_ptr, cos_sin_ptr, table_ptr, table_stride,
+        cache_ptr, plane_stride, part_ptr, count_ptr, out_ptr, scale, HQ: tl.constexpr, HKV: tl.constexpr,
+        GROUP: tl.constexpr, GROUP_P2: tl.constexpr, D: tl.constexpr, QROWS: tl.constexpr, PAGE: tl.constexpr,
+        CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
         c = tl.program_id(2)
-        n = tl.load(pos_ptr + b) + 1  # the cached tokens, the step's own included
+        pos = tl.load(pos_ptr + b)
+        n = pos + 1  # the tokens attended: the cached ones and the step's own
         start = c * CHUNK
         if start >= n:  # a chunk past this request's sequence: nothing to read or write (the merge skips it)
             return
@@ -85,10 +96,29 @@ if triton is not None:
         g = tl.arange(0, QROWS)
         g_ok = g < GROUP
         dims = tl.arange(0, D)
-        q = tl.load(q_ptr + b.to(tl.int64) * q_stride + (h * GROUP + g)[:, None] * D + dims[None, :],
-                    mask=g_ok[:, None], other=0.0)
-        pages = table_ptr + tl.load(row_ptr + b).to(tl.int64) * table_stride
+        HALF: tl.constexpr = D // 2
+        first_half = dims < HALF
+        swapped = tl.where(first_half, dims + HALF, dims - HALF)
+        sign = tl.where(first_half, -1.0, 1.0)
+        freq = tl.where(first_half, dims, dims - HALF)
+        cos = tl.load(cos_sin_ptr + pos * D + freq)
+        sin = tl.load(cos_sin_ptr + pos * D + HALF + freq)
+        dtype = cache_ptr.dtype.element_ty
+        # The query heads rotated and rounded to the model dtype, as the unfused path holds them.
+        q_rows = q_ptr + b.to(tl.int64) * q_stride + (h * GROUP + g)[:, None] * D
+        q = _rotate(q_rows, dims[None, :], swapped[None, :], sign, cos, sin, g_ok[:, None]).to(dtype)
         head = cache_ptr + h * D + dims[None, :]
+        if start + CHUNK >= n:
+            # The chunk that holds the new token writes its rotated K and its V to the cache slot first, and
+            # reads them back with the rest: the barrier makes every thread's store visible to the block
+            # (no other program reads this slot in this step).
+            k_row = kv_ptr + b.to(tl.int64) * kv_stride + h * D
+            k = _rotate(k_row, dims, swapped, sign, cos, sin, dims < D).to(dtype)
+            slot = cache_ptr + tl.load(loc_ptr + b) * (HKV * D) + h * D + dims
+            tl.store(slot, k)
+            tl.store(slot + plane_stride, tl.load(k_row + HKV * D + dims))
+            tl.debug_barrier()
+        pages = table_ptr + tl.load(row_ptr + b).to(tl.int64) * table_stride
         m = tl.full((QROWS,), float("-inf"), tl.float32)
         lsum = tl.zeros((QROWS,), tl.float32)
         acc = tl.zeros((QROWS, D), tl.float32)
@@ -149,13 +179,16 @@ def new_counters(batch_size: int, kv_heads: int, device: torch.device) -> torch.
 
 
 def paged_decode(
-    q: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, page_table: torch.Tensor, cache: torch.Tensor,
-    workspace: torch.Tensor, counters: torch.Tensor, chunk: int, chunks: int,
+    q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, out_loc: torch.Tensor,
+    cos_sin: torch.Tensor, page_table: torch.Tensor, cache: torch.Tensor, workspace: torch.Tensor,
+    counters: torch.Tensor, chunk: int, chunks: int,
 ) -> torch.Tensor:
-    """Attention of one token per request over its cached tokens ``[0, position]`` (the new one stored).
+    """Attention of one new token per request over its tokens ``[0, position]``; also rotates q and k (RoPE)
+    and writes the new K and V to the cache slots ``out_loc``.
 
-    ``q``: ``[B, heads, d]``, rotated (rows may be strided, heads and dims dense); ``positions`` and ``rows``
-    (page-table rows): ``[B]``; ``cache``: this layer's ``[2, pages, page_size, kv_heads, d]``;
+    ``q``: ``[B, heads, d]`` and ``kv``: ``[B, 2, kv_heads, d]`` before RoPE (rows may be strided, heads and
+    dims dense; neither is modified); ``positions``, ``rows`` (page-table rows) and ``out_loc``: ``[B]``;
+    ``cos_sin``: ``[positions, d]`` float32; ``cache``: this layer's ``[2, pages, page_size, kv_heads, d]``;
     ``workspace``: float32, at least ``workspace_size`` elements; ``counters``: from ``new_counters`` for at
     least this batch. Returns ``[B, heads * d]``.
     """
@@ -165,8 +198,8 @@ def paged_decode(
     out = torch.empty(batch, heads * dim, dtype=q.dtype, device=q.device)
     grid_chunks = min(chunks, triton.cdiv(page_table.shape[1] * cache.shape[2], chunk))
     _chunk_attend[(batch, kv_heads, grid_chunks)](
-        q, q.stride(0), positions, rows, page_table, page_table.stride(0), cache, cache.stride(0), workspace,
-        counters, out, LOG2E / math.sqrt(dim),
+        q, q.stride(0), kv, kv.stride(0), positions, rows, out_loc, cos_sin, page_table, page_table.stride(0), cache,
+        cache.stride(0), workspace, counters, out, LOG2E / math.sqrt(dim),
         HQ=heads, HKV=kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group), D=dim,
         QROWS=max(16, triton.next_power_of_2(group)), PAGE=cache.shape[2], CHUNK=chunk, CHUNKS_P2=chunks,
         BLOCK_N=BLOCK_TOKENS, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
