@@ -106,8 +106,9 @@ def paged_impl(a: argparse.Namespace, c: dict) -> Callable:
     dev = c["q"].device
     q, kv = qkv_views(a, c["qkv"])
     cos_sin = cos_sin_table(a, c)
-    chunk = pd.chunk_tokens(a.batch, a.kv_heads)
-    chunks = pd.num_chunks(c["table"].shape[1] * a.page_size, chunk)
+    max_len = c["table"].shape[1] * a.page_size
+    chunk = pd.chunk_tokens(a.batch, a.kv_heads, max_len)
+    chunks = pd.num_chunks(max_len, chunk)
     workspace = torch.empty(max(pd.workspace_size(a.batch, a.kv_heads, a.heads // a.kv_heads, a.head_dim, chunks), 1),
                             device=dev)
     counters = pd.new_counters(a.batch, a.kv_heads, dev)

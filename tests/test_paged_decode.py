@@ -83,6 +83,10 @@ def test_chunk_rule():
     assert pd.chunk_tokens(128, 3) == 512
     assert pd.chunk_tokens(256, 3) == 1024
     assert pd.chunk_tokens(256, 8) == 1024
+    assert pd.chunk_tokens(256, 3, 2304) == 1024  # the benchmarks' limit: the rule alone (2,304 programs)
+    assert pd.chunk_tokens(16, 8, 2304) == 128
+    assert pd.chunk_tokens(256, 8, 8192) == 2048  # 2,048 pairs x 4 chunks: at MAX_PROGRAMS
+    assert pd.chunk_tokens(2, 8, 131072) == 256  # 16 pairs x 512 chunks of a 128k-token limit
     assert pd.num_chunks(2304, 1024) == 4  # 3, rounded up to a power of two for the merge
     assert pd.num_chunks(1000, 1024) == 1
     assert pd.supports(9, 3, 64) and pd.supports(28, 4, 128)

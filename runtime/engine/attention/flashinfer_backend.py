@@ -156,8 +156,9 @@ class FlashInferBackend:
             self.split_graphs[bs] = splits, sd.new_workspace(bs, hkv, hq // hkv, dim, splits, dev)
             return
         if bs >= PAGED_DECODE_MIN_BATCH and pd.supports(hq, hkv, dim):
-            chunk = pd.chunk_tokens(bs, hkv)
-            chunks = pd.num_chunks(max_pages_per_req * self.kv_cache.page_size, chunk)
+            max_len = max_pages_per_req * self.kv_cache.page_size
+            chunk = pd.chunk_tokens(bs, hkv, max_len)
+            chunks = pd.num_chunks(max_len, chunk)
             states = pd.workspace_size(bs, hkv, hq // hkv, dim, chunks)
             workspace = self._shared(states, lambda: torch.empty(max(states, 1), dtype=torch.float32, device=dev))
             counters = self._shared(bs * hkv, lambda: pd.new_counters(bs, hkv, dev), torch.int32)

@@ -155,15 +155,25 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
             and num_heads // num_kv_heads <= 16)
 
 
-def chunk_tokens(batch_size: int, kv_heads: int) -> int:
-    """Cached tokens per program: the (request, KV head) pair count rounded up to a power of two, within
-    128-1024. Measured at 9/3 heads x 64 (scripts/bench_attention.py, 200-1400 tokens): 64 requests 256,
-    128 requests 512, 256 requests 1024 (and 1024 at 32/8 heads)."""
-    return max(128, min(1024, triton.next_power_of_2(batch_size * kv_heads)))
+# Most programs a captured graph launches: chunks grow past the rule below for long sequence limits, so that
+# a graph of short requests does not launch a grid of mostly empty programs (and its workspace stays small).
+MAX_PROGRAMS = 8192
+
+
+def chunk_tokens(batch_size: int, kv_heads: int, max_len: int = 0) -> int:
+    """Tokens per program: the (request, KV head) pair count rounded up to a power of two, within 128-1024,
+    doubled while a grid over ``max_len`` tokens would exceed MAX_PROGRAMS. Measured at 9/3 heads x 64
+    (scripts/bench_attention.py, 200-1400 tokens): best at 64 requests 256, at 128 requests 512, at 256
+    requests 1024 (and 1024 at 32/8 heads)."""
+    chunk = max(128, min(1024, triton.next_power_of_2(batch_size * kv_heads)))
+    while batch_size * kv_heads * triton.cdiv(max_len, chunk) > MAX_PROGRAMS:
+        chunk *= 2
+    return chunk
 
 
 def num_chunks(max_len: int, chunk: int) -> int:
-    """The grid's chunk axis, a power of two (the merge's tl.arange)."""
+    """The workspace's chunk axis, a power of two (the merge's tl.arange); the grid launches only
+    ``cdiv(max_len, chunk)`` of them."""
     return triton.next_power_of_2(triton.cdiv(max_len, chunk))
 
 
