@@ -25,6 +25,13 @@ def run(case: dict, chunk: int, chunks: int | None = None, workspace: torch.Tens
                            cache.buffer[0], workspace, counters, chunk, chunks)
 
 
+def poison_new_slots(case: dict) -> None:
+    """NaN in the slots the step writes (the reference never reads them): reading one before the kernel's
+    own write, or another program's half-written one, makes the output NaN."""
+    flat = case["cache"].buffer[0].view(2, -1, *case["cache"].buffer.shape[-2:])
+    flat[:, case["out_loc"]] = float("nan")
+
+
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "chunk", "positions"),
     [
@@ -39,6 +46,7 @@ def test_matches_float64_and_writes_the_cache(heads, kv_heads, dim, chunk, posit
     case = make_case(heads, kv_heads, dim, positions, 16, torch.float32)
     ref, k_ref, v_ref = reference(case)
     qkv = case["qkv"].clone()
+    poison_new_slots(case)
     out = run(case, chunk)
     assert out.shape == (len(positions), heads * dim)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
@@ -86,8 +94,12 @@ def test_chunk_rule():
     assert pd.chunk_tokens(256, 3, 2304) == 1024  # the benchmarks' limit: the rule alone (2,304 programs)
     assert pd.chunk_tokens(16, 8, 2304) == 128
     assert pd.chunk_tokens(256, 8, 8192) == 2048  # 2,048 pairs x 4 chunks: at MAX_PROGRAMS
-    assert pd.chunk_tokens(2, 8, 131072) == 256  # 16 pairs x 512 chunks of a 128k-token limit
+    assert pd.chunk_tokens(64, 8, 32768) == 2048  # 512 pairs x 16 chunks: at MAX_PROGRAMS
+    assert pd.chunk_tokens(4, 8, 32768) == 1024  # 32 chunks a sequence: at MAX_CHUNKS
+    assert pd.chunk_tokens(2, 8, 131072) == 4096  # 32 chunks of a 128k-token limit
+    assert pd.num_chunks(2304, 128) == 32  # the benchmarks' longest workspace axis (18 chunks launched)
     assert pd.num_chunks(2304, 1024) == 4  # 3, rounded up to a power of two for the merge
     assert pd.num_chunks(1000, 1024) == 1
-    assert pd.supports(9, 3, 64) and pd.supports(28, 4, 128)
-    assert not pd.supports(9, 3, 80)  # not a power of two
+    assert pd.supports(9, 3, 64, torch.bfloat16) and pd.supports(28, 4, 128, torch.float16)
+    assert not pd.supports(9, 3, 80, torch.bfloat16)  # not a power of two
+    assert not pd.supports(9, 3, 64, torch.float32)  # tl.dot would round to TF32

@@ -155,7 +155,7 @@ class FlashInferBackend:
             splits = sd.num_splits(bs, hkv, hq // hkv, dim, max_pages_per_req * self.kv_cache.page_size)
             self.split_graphs[bs] = splits, sd.new_workspace(bs, hkv, hq // hkv, dim, splits, dev)
             return
-        if bs >= PAGED_DECODE_MIN_BATCH and pd.supports(hq, hkv, dim):
+        if bs >= PAGED_DECODE_MIN_BATCH and pd.supports(hq, hkv, dim, self.dtype):
             max_len = max_pages_per_req * self.kv_cache.page_size
             chunk = pd.chunk_tokens(bs, hkv, max_len)
             chunks = pd.num_chunks(max_len, chunk)

@@ -114,7 +114,7 @@ if triton is not None:
             # (no other program reads this slot in this step).
             k_row = kv_ptr + b.to(tl.int64) * kv_stride + h * D
             k = _rotate(k_row, dims, swapped, sign, cos, sin, dims < D).to(dtype)
-            slot = cache_ptr + tl.load(loc_ptr + b) * (HKV * D) + h * D + dims
+            slot = cache_ptr + tl.load(loc_ptr + b).to(tl.int64) * (HKV * D) + h * D + dims
             tl.store(slot, k)
             tl.store(slot + plane_stride, tl.load(k_row + HKV * D + dims))
             tl.debug_barrier()
@@ -148,25 +148,29 @@ if triton is not None:
                            CHUNKS_P2)
 
 
-def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Triton is present, the head is a power of two of at least 16 (tl.arange, tl.dot) and a GQA group
-    fits one 16-row tile."""
+def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Triton is present, the head is a power of two of at least 16 (tl.arange, tl.dot), a GQA group fits
+    one 16-row tile, and the model is in 16 bits (a float32 ``tl.dot`` would run in TF32)."""
     return (triton is not None and head_dim >= 16 and head_dim & (head_dim - 1) == 0
-            and num_heads // num_kv_heads <= 16)
+            and num_heads // num_kv_heads <= 16 and dtype in (torch.bfloat16, torch.float16))
 
 
-# Most programs a captured graph launches: chunks grow past the rule below for long sequence limits, so that
-# a graph of short requests does not launch a grid of mostly empty programs (and its workspace stays small).
+# Limits for long sequence limits, where chunks grow past the rule below: the programs a captured graph
+# launches (so that a graph of short requests is not a grid of mostly empty programs, and its workspace stays
+# small), and the chunks of one sequence (the merge holds [chunks, group, head_dim] in one program; the
+# benchmarks' 2,304-token limit needs at most 18).
 MAX_PROGRAMS = 8192
+MAX_CHUNKS = 32
 
 
 def chunk_tokens(batch_size: int, kv_heads: int, max_len: int = 0) -> int:
     """Tokens per program: the (request, KV head) pair count rounded up to a power of two, within 128-1024,
-    doubled while a grid over ``max_len`` tokens would exceed MAX_PROGRAMS. Measured at 9/3 heads x 64
-    (scripts/bench_attention.py, 200-1400 tokens): best at 64 requests 256, at 128 requests 512, at 256
-    requests 1024 (and 1024 at 32/8 heads)."""
+    doubled while a grid over ``max_len`` tokens would exceed MAX_PROGRAMS or MAX_CHUNKS chunks a sequence.
+    Measured at 9/3 heads x 64 (scripts/bench_attention.py, 200-1400 tokens): best at 64 requests 256, at
+    128 requests 512, at 256 requests 1024 (and 1024 at 32/8 heads)."""
     chunk = max(128, min(1024, triton.next_power_of_2(batch_size * kv_heads)))
-    while batch_size * kv_heads * triton.cdiv(max_len, chunk) > MAX_PROGRAMS:
+    while (batch_size * kv_heads * triton.cdiv(max_len, chunk) > MAX_PROGRAMS
+           or triton.cdiv(max_len, chunk) > MAX_CHUNKS):
         chunk *= 2
     return chunk
 
