@@ -103,3 +103,14 @@ def test_chunk_rule():
     assert pd.supports(9, 3, 64, torch.bfloat16) and pd.supports(28, 4, 128, torch.float16)
     assert not pd.supports(9, 3, 80, torch.bfloat16)  # not a power of two
     assert not pd.supports(9, 3, 64, torch.float32)  # tl.dot would round to TF32
+
+
+def test_graph_sizes_share_a_buffer_until_one_needs_more():
+    """The backend's workspace and counters: reused while large enough, replaced (zeroed) when not."""
+    from runtime.engine.attention.flashinfer_backend import grown
+
+    first = grown(None, 0, torch.int32, torch.device("cpu"))
+    assert first.numel() == 1 and first.dtype == torch.int32
+    big = grown(first, 768, torch.int32, torch.device("cpu"))
+    assert big.numel() == 768 and torch.equal(big, torch.zeros_like(big))
+    assert grown(big, 48, torch.int32, torch.device("cpu")) is big

@@ -52,6 +52,13 @@ def paged_layout(kv_lens: np.ndarray, page_size: int) -> tuple[np.ndarray, np.nd
     return num_pages, indptr, last_len
 
 
+def grown(held: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``held`` if it holds ``numel`` elements, else a new zeroed buffer of that size (at least one element)."""
+    if held is not None and held.numel() >= numel:
+        return held
+    return torch.zeros(max(numel, 1), dtype=dtype, device=device)
+
+
 class FlashInferBackend:
     supports_graphs = True
 
@@ -80,10 +87,12 @@ class FlashInferBackend:
         self.active: object = None
         self.split: tuple[int, torch.Tensor] | None = None  # this step's, when it decodes on split_decode
         # Captured sizes that decode on paged_decode: (chunk tokens, chunk count, workspace, counters). Graphs
-        # never run at once, so they share these buffers: a new one only when a size needs more than the last.
+        # never run at once, so they share these buffers: a new one only when a size needs more than the last
+        # (the graphs captured before keep theirs through this dict).
         self.paged_graphs: dict[int, tuple[int, int, torch.Tensor, torch.Tensor]] = {}
         self.paged: tuple[int, int, torch.Tensor, torch.Tensor] | None = None  # this step's, on paged_decode
-        self._paged_buffers: list[torch.Tensor] = []
+        self._paged_workspace: torch.Tensor | None = None
+        self._paged_counters: torch.Tensor | None = None
 
     def decode_uses_tensor_cores(self, batch_size: int) -> bool:
         return batch_size >= TENSOR_CORE_DECODE_MIN_BATCH or not self.cuda_cores_allowed
@@ -160,9 +169,9 @@ class FlashInferBackend:
             chunk = pd.chunk_tokens(bs, hkv, max_len)
             chunks = pd.num_chunks(max_len, chunk)
             states = pd.workspace_size(bs, hkv, hq // hkv, dim, chunks)
-            workspace = self._shared(states, lambda: torch.empty(max(states, 1), dtype=torch.float32, device=dev))
-            counters = self._shared(bs * hkv, lambda: pd.new_counters(bs, hkv, dev), torch.int32)
-            self.paged_graphs[bs] = chunk, chunks, workspace, counters
+            self._paged_workspace = grown(self._paged_workspace, states, torch.float32, dev)
+            self._paged_counters = grown(self._paged_counters, bs * hkv, torch.int32, dev)
+            self.paged_graphs[bs] = chunk, chunks, self._paged_workspace, self._paged_counters
             return
         self.graph_decode[bs] = self._decode_wrapper(
             self.decode_uses_tensor_cores(bs),
@@ -170,15 +179,6 @@ class FlashInferBackend:
             paged_kv_indices_buffer=torch.zeros(bs * max_pages_per_req, dtype=torch.int32, device=dev),
             paged_kv_last_page_len_buffer=torch.zeros(bs, dtype=torch.int32, device=dev),
         )
-
-    def _shared(self, numel: int, new, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # noqa: ANN001
-        """The largest buffer of ``dtype`` so far if it holds ``numel`` elements, else a new one from ``new()``
-        (earlier graphs keep theirs)."""
-        held = [t for t in self._paged_buffers if t.dtype == dtype]
-        if held and held[-1].numel() >= numel:
-            return held[-1]
-        self._paged_buffers.append(new())
-        return self._paged_buffers[-1]
 
     def prepare_graph(self, batch: Batch) -> None:
         """Plan the graph wrapper of ``batch.padded_size`` (before capture and before every replay)."""
