@@ -42,6 +42,8 @@ SPLIT_DECODE_MAX_BATCH = 1
 # against 30.2, at 256 60.2 against 49.0; 32/8 x 64 at 2 8.2 against 7.6, at 32 28.3 against 21.2, at 256
 # 133.6 against 117.1; 32/8 x 128 at 256 216.8 against 209.3.
 PAGED_DECODE_MIN_BATCH = 2
+# flashinfer's kernel for prefill and chunked-prefill steps ("auto" picks fa3 on Hopper).
+PREFILL_BACKEND = "auto"
 
 
 def paged_layout(kv_lens: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -76,7 +78,7 @@ class FlashInferBackend:
         self.dtype = dtype
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.cuda_cores_allowed = num_qo_heads // num_kv_heads in CUDA_CORE_GROUP_SIZES
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=PREFILL_BACKEND)
         # Eager decode (graphs off, or a batch above the largest graph): both kernels, chosen per batch size
         # by the same rule as the graphs.
         self.decode = {tc: self._decode_wrapper(tc) for tc in (False, True)}
