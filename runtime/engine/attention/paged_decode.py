@@ -29,7 +29,6 @@ import os
 
 import torch
 
-from models.gemv import use_pdl
 from runtime.engine.attention.split_decode import LOG2E
 
 try:
@@ -39,9 +38,6 @@ except ImportError:  # CPU-only installs never reach the flashinfer backend
     triton = None
 
 BLOCK_TOKENS = 64
-# Programmatic dependent launch on Hopper (ARCHITECTURE.md, invariant 13): the kernel is scheduled during the
-# qkv GEMM's tail and waits (gdc_wait) before it reads that GEMM's output.
-USE_PDL = True
 
 if triton is not None:
     from runtime.engine.attention.split_decode import _merge_if_last
@@ -87,7 +83,6 @@ if triton is not None:
         cache_ptr, plane_stride, part_ptr, count_ptr, out_ptr, scale, HQ: tl.constexpr, HKV: tl.constexpr,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, D: tl.constexpr, QROWS: tl.constexpr, PAGE: tl.constexpr,
         CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
-        PDL: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -106,15 +101,8 @@ if triton is not None:
         swapped = tl.where(first_half, dims + HALF, dims - HALF)
         sign = tl.where(first_half, -1.0, 1.0)
         freq = tl.where(first_half, dims, dims - HALF)
-        # Before gdc_wait, only what no kernel of this step writes after the graph's input gather: the position,
-        # the page-table row and the RoPE table. q, k and v (the qkv GEMM's output), the slot, the workspace,
-        # the counters and the output are touched only after it.
         cos = tl.load(cos_sin_ptr + pos * D + freq)
         sin = tl.load(cos_sin_ptr + pos * D + HALF + freq)
-        pages = table_ptr + tl.load(row_ptr + b).to(tl.int64) * table_stride
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         dtype = cache_ptr.dtype.element_ty
         # The query heads rotated and rounded to the model dtype, as the unfused path holds them.
         q_rows = q_ptr + b.to(tl.int64) * q_stride + (h * GROUP + g)[:, None] * D
@@ -130,6 +118,7 @@ if triton is not None:
             tl.store(slot, k)
             tl.store(slot + plane_stride, tl.load(k_row + HKV * D + dims))
             tl.debug_barrier()
+        pages = table_ptr + tl.load(row_ptr + b).to(tl.int64) * table_stride
         m = tl.full((QROWS,), float("-inf"), tl.float32)
         lsum = tl.zeros((QROWS,), tl.float32)
         acc = tl.zeros((QROWS, D), tl.float32)
@@ -221,14 +210,13 @@ def paged_decode(
     kv_heads = cache.shape[3]
     group = heads // kv_heads
     out = torch.empty(batch, heads * dim, dtype=q.dtype, device=q.device)
-    pdl = USE_PDL and use_pdl(q.device.index or 0)
     grid_chunks = min(chunks, triton.cdiv(page_table.shape[1] * cache.shape[2], chunk))
     _chunk_attend[(batch, kv_heads, grid_chunks)](
         q, q.stride(0), kv, kv.stride(0), positions, rows, out_loc, cos_sin, page_table, page_table.stride(0), cache,
         cache.stride(0), workspace, counters, out, LOG2E / math.sqrt(dim),
         HQ=heads, HKV=kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group), D=dim,
         QROWS=max(16, triton.next_power_of_2(group)), PAGE=cache.shape[2], CHUNK=chunk, CHUNKS_P2=chunks,
-        BLOCK_N=BLOCK_TOKENS, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", PDL=pdl, launch_pdl=pdl,
+        BLOCK_N=BLOCK_TOKENS, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=4, num_stages=3 if dim <= 64 else 2,
     )
     return out
