@@ -58,6 +58,11 @@ class EngineSection:
     attention_backend: str = "auto"  # auto | torch | flashinfer
     kernels: str = "auto"  # auto | torch | flashinfer: norms, RoPE, activation, sampling
     cuda_graph_max_bs: int = 256  # largest decode batch replayed from a CUDA graph; 0 disables graphs
+    # Prefill steps of up to this many tokens (capped at scheduler.max_prefill_tokens) replay CUDA graphs too,
+    # captured at 256, 512 and every 1024 tokens; a step is padded to the next captured size when that adds at
+    # most max(256, size / 16) tokens, else it runs eagerly. Eager prefill is bound by the host's launches for
+    # small models (SmolLM2: ~15 ms of host work a step against ~10 ms of GPU work). 0: eager prefill.
+    cuda_graph_prefill_tokens: int = 16384
     # auto | always | never: single-token steps run each layer as four fused GEMVs (GPU with Triton, TP=1,
     # flashinfer kernels, CUDA graphs on); auto (the same as always) because it was faster at every measured
     # width, 135M to 8B (models/gemv.py); never keeps cuBLAS and the separate norms.
@@ -139,7 +144,7 @@ _CHOICES = {
 _POSITIVE = ("model.max_seq_len", "cache.page_size", "scheduler.max_running_requests", "scheduler.max_prefill_tokens",
              "cache.cpu_memory_bytes", "parallel.timeout_s")
 _NON_NEGATIVE = ("cache.num_pages", "job.drain_timeout_s", "job.fsync_every_s", "engine.cuda_graph_max_bs",
-                 "parallel.memory_imbalance_bytes", "parallel.tp_size")
+                 "engine.cuda_graph_prefill_tokens", "parallel.memory_imbalance_bytes", "parallel.tp_size")
 
 
 def _all_keys(node: Any, prefix: str = "") -> list[str]:

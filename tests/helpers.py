@@ -75,7 +75,7 @@ def _teacher_forced(
             batch.admit_pages = np.concatenate([np.asarray(p, np.int32) for p in pages])
             first = False
         if decoding and use_graph:
-            run = engine.graph_runner.pad(batch)
+            run = engine.graph_runner.pad(batch, engine.graph_runner.graph_size(batch))
             rows_pos = engine._prepare_inputs(run, graph=True)[2]
             with engine.ctx.forward_batch(run):
                 logits = engine.graph_runner.replay(run, rows_pos)[:n].clone().float()

@@ -107,6 +107,101 @@ def test_fused_gemv_decode_against_hf_float32_and_the_unfused_layers(fi_engine):
             assert relative_error(graph[i][tail], plain[i][tail]) <= budget
 
 
+DECODE_INPUT = 7  # the token every row decodes after its prompt (the same for the graph and eager runs)
+
+
+def _chunked_prefill_then_decode(
+    eng: Engine, prompts: list[list[int]], chunk: int,
+) -> tuple[list[torch.Tensor], list[list[tuple[int, int]]]]:
+    """Through ``forward_batch``: each prompt prefilled in chunks of ``chunk`` tokens (the second attends to
+    the cached first), then one decode step of every row on DECODE_INPUT. Returns each step's logits as the
+    sampler received them (float32), and for each of its rows the (prompt, position) they predict from."""
+    import numpy as np
+
+    from runtime.batch import Batch
+
+    seen: list[torch.Tensor] = []
+    where: list[list[tuple[int, int]]] = []
+    sample = eng.sampler.sample
+    eng.sampler.sample = lambda logits, args: seen.append(logits.float().clone()) or sample(logits, args)
+    try:
+        n, page = len(prompts), eng.page_size
+        lens = np.array([len(p) for p in prompts], np.int32)
+        rows = np.arange(n, dtype=np.int32)
+        pages = [np.arange(1 + 200 * i, 1 + 200 * i + -(-len(p) // page) + 1, dtype=np.int32) for i, p in enumerate(prompts)]
+        start = np.zeros(n, np.int32)
+
+        def step(phase: str, live: np.ndarray, ext: np.ndarray) -> Batch:
+            k = len(live)
+            ends = start[live] + ext >= lens[live]  # a chunk that ends its prompt samples; the others discard
+            return Batch(phase=phase, rows=rows[live], starts=start[live].copy(), ext_lens=ext.astype(np.int32),
+                         sample_rows=np.where(ends, rows[live], eng.dummy_row).astype(np.int32), temperature=np.zeros(k, np.float32), top_k=np.zeros(k, np.int32),
+                         top_p=np.ones(k, np.float32), seeds=np.zeros(k, np.int64), seeded=np.zeros(k, bool))
+
+        first = True
+        while (start < lens).any():
+            live = np.flatnonzero(start < lens)
+            batch = step("prefill", live, np.minimum(lens[live] - start[live], chunk))
+            if first:
+                batch.admit_rows, batch.admit_token_lens = rows, lens
+                batch.admit_tokens = np.concatenate([np.asarray(p, np.int32) for p in prompts])
+                batch.admit_page_lens = np.array([len(p) for p in pages], np.int32)
+                batch.admit_pages = np.concatenate(pages)
+                first = False
+            eng.forward_batch(batch)
+            start[live] += batch.ext_lens
+            where.append([(int(i), int(start[i]) - 1) for i in live])
+        torch.cuda.synchronize()
+        eng.token_pool[torch.from_numpy(rows).long(), torch.from_numpy(lens).long()] = DECODE_INPUT
+        eng.forward_batch(step("decode", np.arange(n), np.ones(n)))
+        where.append([(i, int(lens[i])) for i in range(n)])
+        torch.cuda.synchronize()
+    finally:
+        eng.sampler.sample = sample
+    return seen, where
+
+
+def test_prefill_graphs_match_eager_prefill_and_hf_float32(fi_engine):
+    """Chunked prefill steps replayed from CUDA graphs (padded with dummy tokens, which write only the dummy
+    page, and dummy requests of no tokens), and the decode step after them, against HF float32 on the same
+    weights (within twice HF's own bf16 error + 2e-3, as test_flashinfer_bf16_logits_against_hf_float32) and
+    against the same steps run eagerly. The KV cache is poisoned with NaN before each run, so a real slot
+    the graph failed to write shows; a dummy token's write into a real slot would show in the later steps."""
+    runner = fi_engine.graph_runner
+    assert runner.prefill_sizes[:3] == [256, 512, 1024] and set(fi_engine.attn_backend.graph_prefill) == set(
+        runner.prefill_sizes)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 10000, (n,), generator=gen).tolist() for n in (700, 45, 300, 5, 260)]
+    replays: list[int] = []
+    replay = runner.replay
+    runner.replay = lambda batch, rows_pos: (not batch.is_decode and replays.append(batch.padded_size)) or replay(
+        batch, rows_pos)
+    sizes = runner.prefill_sizes
+    try:
+        fi_engine.kv_cache.buffer.fill_(float("nan"))
+        # Steps of 910 tokens (5 requests), 300 (the 700-token prompt's second chunk), 100 (its third).
+        graph, where = _chunked_prefill_then_decode(fi_engine, prompts, 300)
+        assert replays == [1024, 512, 256]
+        runner.prefill_sizes = []  # every prefill step eager
+        fi_engine.kv_cache.buffer.fill_(float("nan"))
+        eager, _ = _chunked_prefill_then_decode(fi_engine, prompts, 300)
+        assert replays == [1024, 512, 256]
+    finally:
+        runner.replay, runner.prefill_sizes = replay, sizes
+    assert [len(w) for w in where] == [len(g) for g in graph] == [len(e) for e in eager] == [5, 1, 1, 5]
+    seqs = [p + [DECODE_INPUT] for p in prompts]
+    ref32 = _hf_logits(hf_model(fi_engine, LLAMA_1B, torch.float32), seqs)
+    hf16 = _hf_logits(hf_model(fi_engine, LLAMA_1B, torch.bfloat16), seqs)
+    for s, rows in enumerate(where):
+        for j, (i, pos) in enumerate(rows):
+            ref = ref32[i][pos]
+            budget = 2 * relative_error(hf16[i][pos], ref) + 2e-3
+            errors = (relative_error(graph[s][j], ref), relative_error(eager[s][j], ref))
+            print(f"step {s}, prompt {i} at {pos}: budget {budget:.2e}, graph {errors[0]:.2e}, eager {errors[1]:.2e},"
+                  f" graph against eager {relative_error(graph[s][j], eager[s][j]):.2e}")
+            assert max(errors) <= budget, (s, i)
+
+
 def test_graph_replay_matches_eager_for_every_size(fi_engine):
     """Decode logits from each captured graph (and padded sizes) equal the eager decode logits.
 

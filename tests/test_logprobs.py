@@ -391,7 +391,7 @@ def test_bf16_logprobs_with_cuda_graphs_stay_within_the_bf16_budget():
     assert runner is not None
     replays: list[int] = []
     replay = runner.replay
-    runner.replay = lambda batch, rows_pos: replays.append(batch.size) or replay(batch, rows_pos)
+    runner.replay = lambda batch, rows_pos: (batch.is_decode and replays.append(batch.size)) or replay(batch, rows_pos)
     prompts = random_prompts([9, 40, 300, 17, 5], seed=20, vocab=10000)  # 300 > 128: a chunked prompt
     common = dict(max_new_tokens=24, ignore_eos=True)
     params = [SamplingParams(temperature=0, logprobs=5, prompt_logprobs=5, **common),

@@ -31,13 +31,13 @@ if triton is not None:
 
     @triton.jit
     def _gather(
-        rows_pos_ptr, pool_ptr, pool_stride, table_ptr, table_stride, ids_ptr, slots_ptr,
-        BS: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr,
+        rows_pos_ptr, pool_ptr, pool_stride, table_ptr, table_stride, ids_ptr, slots_ptr, bs,
+        BLOCK: tl.constexpr, PAGE: tl.constexpr,
     ):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        ok = i < BS
+        ok = i < bs
         row = tl.load(rows_pos_ptr + i, mask=ok, other=0)
-        pos = tl.load(rows_pos_ptr + BS + i, mask=ok, other=0)
+        pos = tl.load(rows_pos_ptr + bs + i, mask=ok, other=0)
         tl.store(ids_ptr + i, tl.load(pool_ptr + row * pool_stride + pos, mask=ok), mask=ok)
         page = tl.load(table_ptr + row * table_stride + pos // PAGE, mask=ok).to(tl.int64)
         tl.store(slots_ptr + i, page * PAGE + pos % PAGE, mask=ok)
@@ -55,6 +55,6 @@ def gather_into(
                          f"{tuple(slots.shape)}")
     block = min(1024, triton.next_power_of_2(bs))
     _gather[(triton.cdiv(bs, block),)](
-        rows_pos, token_pool, token_pool.stride(0), page_table, page_table.stride(0), ids, slots,
-        BS=bs, BLOCK=block, PAGE=page, num_warps=4 if block <= 256 else 8,
+        rows_pos, token_pool, token_pool.stride(0), page_table, page_table.stride(0), ids, slots, bs,
+        BLOCK=block, PAGE=page, num_warps=4 if block <= 256 else 8,
     )

@@ -136,8 +136,11 @@ class Engine:
         if self.stream is not None and self.attn_backend.supports_graphs and cfg.engine.cuda_graph_max_bs > 0:
             from runtime.engine.graph import GraphRunner
 
+            # A prefill step never holds more than the scheduler's budget, nor more than every row at full length.
+            prefill_tokens = min(cfg.engine.cuda_graph_prefill_tokens, cfg.scheduler.max_prefill_tokens,
+                                 self.max_running * self.max_seq_len)
             with torch.cuda.stream(self.stream):
-                self.graph_runner = GraphRunner(self, min(cfg.engine.cuda_graph_max_bs, self.max_running))
+                self.graph_runner = GraphRunner(self, min(cfg.engine.cuda_graph_max_bs, self.max_running), prefill_tokens)
         if self.stream is not None:
             torch.cuda.synchronize(self.device)
 
@@ -202,6 +205,10 @@ class Engine:
             tok_rows, tok_pos = batch.rows, batch.starts
         else:
             tok_rows, tok_pos = np.repeat(batch.rows, ext), concat_ranges(ext, batch.starts)
+            if graph:  # a prefill graph's dummy tokens: position 0 of the dummy row (its page is the dummy page)
+                pad = batch.padded_size - len(tok_rows)
+                tok_rows = np.concatenate((tok_rows, np.full(pad, self.dummy_row, np.int32)))
+                tok_pos = np.concatenate((tok_pos, np.zeros(pad, np.int64)))
         adm_tok_rows = np.repeat(batch.admit_rows, batch.admit_token_lens)
         adm_tok_cols = concat_ranges(batch.admit_token_lens)
         adm_page_rows = np.repeat(batch.admit_rows, batch.admit_page_lens)
@@ -224,19 +231,22 @@ class Engine:
             self.page_table[p_rows, p_cols] = p_ids.int()
         if plan is not None:
             plan.bind(list(dev[11:]), self.token_pool)  # prompt targets: read after admissions are written
+        batch.logits_indices = None if batch.is_decode else last_idx  # a prefill graph copies it in
         if not graph:
             batch.input_ids, batch.out_loc = gather_torch(self.token_pool, self.page_table, rows, pos, self.page_size)
             batch.positions = pos
             batch.req_rows = rows if batch.is_decode else None
-            batch.logits_indices = None if batch.is_decode else last_idx
         return sample_rows, kv_lens, upload[: len(rows) + len(pos)]
 
     def forward_batch(self, batch: Batch) -> ForwardOutput:
         n = batch.size
         with self._stream():
-            use_graph = self.graph_runner is not None and self.graph_runner.can_use(batch)
-            run = self.graph_runner.pad(batch) if use_graph else batch
             plan = plan_logprobs(batch, self.dummy_row)
+            size = None
+            if self.graph_runner is not None:
+                size = self.graph_runner.graph_size(batch, len(plan.extra_index) if plan is not None else 0)
+            use_graph = size is not None
+            run = self.graph_runner.pad(batch, size) if use_graph else batch
             sample_rows, kv_lens, rows_pos = self._prepare_inputs(run, plan, graph=use_graph)
             args = self.sampler.prepare(batch)
             with self.ctx.forward_batch(run):

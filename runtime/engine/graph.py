@@ -1,11 +1,13 @@
-"""CUDA graphs for decode steps (the GraphRunner of ARCHITECTURE.md).
+"""CUDA graphs for decode and prefill steps (the GraphRunner of ARCHITECTURE.md).
 
-Batch sizes ``[1, 2, 4, 8, 16, 24, ...]`` up to a maximum are captured largest
-first into one shared memory pool, each after a warm-up run. Inputs live in
-static buffers and logits in one preallocated buffer (model dtype); a live batch is padded to
-the next captured size with dummy requests on the reserved dummy row/page. A replay copies in
-only the rows and positions; the graph gathers its token ids and cache slots from the device
-pools itself (``runtime.engine.decode_inputs``).
+Decode batch sizes ``[1, 2, 4, 8, 16, 24, ...]`` up to a maximum, and prefill token counts ``[256, 512, 1024,
+2048, ...]`` up to a maximum, are captured largest first into one shared memory pool, each after a warm-up
+run. Inputs live in static buffers and logits in one preallocated buffer (model dtype). A decode batch is
+padded to the next captured size with dummy requests on the reserved dummy row/page; a prefill step with
+dummy tokens (which read and write the dummy page only) and dummy requests of no tokens, up to the graph's
+fixed request count (flashinfer's prefill plan in graph mode needs a fixed batch size). A replay copies in
+only the rows and positions of the tokens (and, for prefill, each request's last-token index); the graph
+gathers its token ids and cache slots from the device pools itself (``runtime.engine.decode_inputs``).
 """
 
 from __future__ import annotations
@@ -24,78 +26,126 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return [bs for bs in [1, 2, 4, *range(8, max_bs + 1, 8)] if bs <= max_bs]
 
 
+def prefill_graph_sizes(max_tokens: int) -> list[int]:
+    """Token counts of the captured prefill graphs: 256, 512 and every multiple of 1024 below ``max_tokens``,
+    and ``max_tokens`` itself (a full chunked-prefill step); none for 0."""
+    if max_tokens <= 0:
+        return []
+    return [t for t in (256, 512, *range(1024, max_tokens, 1024)) if t < max_tokens] + [max_tokens]
+
+
+def prefill_graph_size(sizes: list[int], tokens: int) -> int | None:
+    """The captured size a prefill step of ``tokens`` replays: the smallest that holds it, unless its dummy
+    tokens would add more than max(256, size / 16) (GPU work wasted where the GPU, not the host, is the
+    bound); None: the step runs eagerly."""
+    size = next((t for t in sizes if t >= tokens), None)
+    if size is None or size - tokens > max(256, size // 16):
+        return None
+    return size
+
+
 class GraphRunner:
-    def __init__(self, engine, max_bs: int) -> None:  # noqa: ANN001 - Engine, avoids an import cycle
+    def __init__(self, engine, max_bs: int, prefill_tokens: int = 0) -> None:  # noqa: ANN001 - Engine
         # A weak reference: no Engine <-> GraphRunner cycle, so a dropped engine's graphs are destroyed at
         # once by reference counting, never later by the cyclic GC (which may run while another engine
         # is capturing).
         self.engine = weakref.proxy(engine)
         self.bs_list = graph_batch_sizes(max_bs)
         self.max_bs = self.bs_list[-1]
+        self.prefill_sizes = prefill_graph_sizes(prefill_tokens)
+        # A prefill step holds at most one request per row and per token; the graph plans exactly this many.
+        self.prefill_reqs = {t: min(engine.max_running, t) for t in self.prefill_sizes}
+        tokens = max([self.max_bs, *self.prefill_sizes])
         dev = engine.device
-        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int32, device=dev)
-        self.out_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        # The graph of size bs reads rows from [:bs] and positions from [bs:2 * bs] (the upload's layout).
-        self.rows_pos = torch.zeros(2 * self.max_bs, dtype=torch.int64, device=dev)
+        self.input_ids = torch.zeros(tokens, dtype=torch.int32, device=dev)
+        self.out_loc = torch.zeros(tokens, dtype=torch.int64, device=dev)
+        # The graph of n tokens reads rows from [:n] and positions from [n:2 * n] (the upload's layout).
+        self.rows_pos = torch.zeros(2 * tokens, dtype=torch.int64, device=dev)
+        logit_rows = max([self.max_bs, *self.prefill_reqs.values()])
+        self.logits_idx = torch.zeros(logit_rows, dtype=torch.int64, device=dev)  # prefill: each request's last token
         # In the model's dtype: consumers upcast where they need to (sampling, logprobs), and a float32 buffer
         # would cost a conversion pass over [batch, vocab] every step.
-        self.logits = torch.zeros(self.max_bs, engine.model_config.vocab_size, dtype=engine.dtype, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits = torch.zeros(logit_rows, engine.model_config.vocab_size, dtype=engine.dtype, device=dev)
+        self.graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}  # (is decode, size)
         self._capture_all()
 
-    def can_use(self, batch: Batch) -> bool:
-        return batch.is_decode and batch.size <= self.max_bs
+    def graph_size(self, batch: Batch, extra_logit_rows: int = 0) -> int | None:
+        """The captured size ``batch`` replays (decode: requests, prefill: tokens), or None to run it eagerly.
+        ``extra_logit_rows`` (prompt logprobs: the LM head at more than each request's last token) rules
+        graphs out."""
+        if extra_logit_rows:
+            return None
+        if batch.is_decode:
+            return next((bs for bs in self.bs_list if bs >= batch.size), None)
+        return prefill_graph_size(self.prefill_sizes, batch.num_tokens)
 
-    def pad(self, batch: Batch) -> Batch:
-        """The batch padded to the next captured size with dummy requests (row = dummy row, length 1)."""
-        size = next(bs for bs in self.bs_list if bs >= batch.size)
-        extra = size - batch.size
+    def pad(self, batch: Batch, size: int) -> Batch:
+        """The batch padded to a captured size with dummy requests on the dummy row: decode, to ``size``
+        requests of one token; prefill, to the graph's request count, with no tokens (the engine pads the
+        tokens themselves to ``size``)."""
+        decode = batch.is_decode
+        extra = (size if decode else self.prefill_reqs[size]) - batch.size
+        dummy = self.engine.dummy_row
         padded = dataclasses.replace(
             batch,
-            rows=np.concatenate((batch.rows, np.full(extra, self.engine.dummy_row, np.int32))),
+            rows=np.concatenate((batch.rows, np.full(extra, dummy, np.int32))),
             starts=np.concatenate((batch.starts, np.zeros(extra, np.int32))),
-            ext_lens=np.concatenate((batch.ext_lens, np.ones(extra, np.int32))),
-            sample_rows=np.concatenate((batch.sample_rows, np.full(extra, self.engine.dummy_row, np.int32))),
+            ext_lens=np.concatenate((batch.ext_lens, np.full(extra, int(decode), np.int32))),
+            sample_rows=np.concatenate((batch.sample_rows, np.full(extra, dummy, np.int32))),
         )
         padded.padded_size = size
         return padded
 
-    def _dummy_batch(self, bs: int) -> Batch:
+    def _dummy_batch(self, size: int, decode: bool) -> Batch:
+        """What a graph is warmed up and captured on: dummy requests on the dummy row, every token at 0 (a
+        prefill's tokens spread evenly over its requests, which the attention plan sees)."""
         e = self.engine
-        zeros = np.zeros(bs, np.int32)
+        reqs = size if decode else self.prefill_reqs[size]
+        ext = np.full(reqs, size // reqs, np.int32)
+        ext[: size % reqs] += 1
+        zeros = np.zeros(reqs, np.int32)
         batch = Batch(
-            phase="decode", rows=np.full(bs, e.dummy_row, np.int32), starts=zeros, ext_lens=zeros + 1,
-            sample_rows=np.full(bs, e.dummy_row, np.int32), temperature=np.zeros(bs, np.float32),
-            top_k=zeros, top_p=np.ones(bs, np.float32), seeds=np.zeros(bs, np.int64), seeded=np.zeros(bs, bool),
+            phase="decode" if decode else "prefill", rows=np.full(reqs, e.dummy_row, np.int32), starts=zeros,
+            ext_lens=ext, sample_rows=np.full(reqs, e.dummy_row, np.int32), temperature=np.zeros(reqs, np.float32),
+            top_k=zeros, top_p=np.ones(reqs, np.float32), seeds=np.zeros(reqs, np.int64), seeded=np.zeros(reqs, bool),
         )
-        batch.padded_size = bs
-        # The graph's inputs are its static buffers; the warm-up and the capture run on dummy requests at 0.
-        batch.input_ids, batch.out_loc = self.input_ids[:bs], self.out_loc[:bs]
-        batch.req_rows, batch.positions = self.rows_pos[:bs].fill_(e.dummy_row), self.rows_pos[bs:2 * bs].zero_()
+        batch.padded_size = size
+        # The graph's inputs are its static buffers.
+        batch.input_ids, batch.out_loc = self.input_ids[:size], self.out_loc[:size]
+        rows, batch.positions = self.rows_pos[:size].fill_(e.dummy_row), self.rows_pos[size:2 * size].zero_()
+        if decode:
+            batch.req_rows = rows
+        else:
+            batch.logits_indices = self.logits_idx[:reqs].zero_()
         return batch
 
-    def _step(self, bs: int) -> None:
-        """What a graph of size bs runs: gather the inputs of the rows and positions copied in, the model."""
+    def _step(self, size: int, decode: bool) -> None:
+        """What a graph runs: gather the inputs of the rows and positions copied in, the model."""
         e = self.engine
-        gather_into(e.token_pool, e.page_table, self.rows_pos[:2 * bs], e.page_size, self.input_ids[:bs],
-                    self.out_loc[:bs])
-        self.logits[:bs] = e.model.forward()
+        gather_into(e.token_pool, e.page_table, self.rows_pos[:2 * size], e.page_size, self.input_ids[:size],
+                    self.out_loc[:size])
+        self.logits[: size if decode else self.prefill_reqs[size]] = e.model.forward()
 
     def _capture_all(self) -> None:
         e = self.engine
         pool = None
-        for bs in sorted(self.bs_list, reverse=True):
-            e.attn_backend.init_graph(bs, e.max_pages_per_req)
-            batch = self._dummy_batch(bs)
+        # Prefill first: the largest activations, which every later graph's allocations then reuse.
+        shapes = [(False, t) for t in reversed(self.prefill_sizes)] + [(True, bs) for bs in reversed(self.bs_list)]
+        for decode, size in shapes:
+            if decode:
+                e.attn_backend.init_graph(size, e.max_pages_per_req)
+            else:
+                e.attn_backend.init_prefill_graph(size, self.prefill_reqs[size], e.max_pages_per_req)
+            batch = self._dummy_batch(size, decode)
             e.attn_backend.prepare_graph(batch)
             with e.ctx.forward_batch(batch):
-                self._step(bs)  # warm-up: lazy allocations and kernel loads
+                self._step(size, decode)  # warm-up: lazy allocations and kernel loads
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=e.stream):
-                    self._step(bs)
+                    self._step(size, decode)
             if pool is None:
                 pool = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[decode, size] = graph
         torch.cuda.synchronize(e.device)
 
     def close(self) -> None:
@@ -106,10 +156,14 @@ class GraphRunner:
         self.graphs.clear()
 
     def replay(self, batch: Batch, rows_pos: torch.Tensor) -> torch.Tensor:
-        """Run a padded decode batch; ``rows_pos``: its page-table rows, then its positions (int64, on the
-        device, from the engine's upload). Returns its logits."""
-        bs = batch.padded_size
-        self.rows_pos[:2 * bs].copy_(rows_pos)
+        """Run a padded batch; ``rows_pos``: its tokens' page-table rows, then their positions (int64, on the
+        device, from the engine's upload); a prefill's ``logits_indices`` too. Returns its logits."""
+        size = batch.padded_size
+        self.rows_pos[:2 * size].copy_(rows_pos)
+        rows = size
+        if not batch.is_decode:
+            rows = self.prefill_reqs[size]
+            self.logits_idx[:rows].copy_(batch.logits_indices)
         self.engine.attn_backend.prepare_graph(batch)
-        self.graphs[bs].replay()
-        return self.logits[:bs]
+        self.graphs[batch.is_decode, size].replay()
+        return self.logits[:rows]

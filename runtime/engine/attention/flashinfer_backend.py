@@ -83,6 +83,7 @@ class FlashInferBackend:
         # by the same rule as the graphs.
         self.decode = {tc: self._decode_wrapper(tc) for tc in (False, True)}
         self.graph_decode: dict[int, object] = {}
+        self.graph_prefill: dict[int, object] = {}  # captured prefill token counts: graph-mode wrappers
         # Captured sizes that decode on split_decode: their split count and partial-result workspace.
         self.split_graphs: dict[int, tuple[int, torch.Tensor]] = {}
         self._plan_done: dict[int, torch.cuda.Event] = {}
@@ -129,7 +130,9 @@ class FlashInferBackend:
         self.split = self.paged = None
         hq, hkv, dim = self.heads
         page = self.kv_cache.page_size
-        num_pages, indptr, last_len = paged_layout(batch.kv_lens, page)
+        # A prefill graph's dummy requests (no tokens) keep one page, the dummy page, as real requests always do.
+        kv_lens = batch.kv_lens if batch.is_decode else np.maximum(batch.kv_lens, 1)
+        num_pages, indptr, last_len = paged_layout(kv_lens, page)
         indices = self._indices(batch, num_pages)
         indptr_t, last_t = torch.from_numpy(indptr), torch.from_numpy(last_len)
         if batch.is_decode:
@@ -139,7 +142,8 @@ class FlashInferBackend:
             ))
         else:
             qo_indptr = torch.from_numpy(np.concatenate(([0], np.cumsum(batch.ext_lens))).astype(np.int32))
-            self._plan(self.prefill, lambda: self.prefill.plan(
+            wrapper = wrapper or self.prefill
+            self._plan(wrapper, lambda: wrapper.plan(
                 qo_indptr, indptr_t, indices, last_t, hq, hkv, head_dim_qk=dim, page_size=page, causal=True,
                 q_data_type=self.dtype, kv_data_type=self.dtype,
             ))
@@ -182,9 +186,24 @@ class FlashInferBackend:
             paged_kv_last_page_len_buffer=torch.zeros(bs, dtype=torch.int32, device=dev),
         )
 
+    def init_prefill_graph(self, tokens: int, requests: int, max_pages_per_req: int) -> None:
+        """A graph-mode prefill wrapper for steps of ``tokens`` tokens over exactly ``requests`` requests (the
+        plan's batch size and its largest token count are fixed by the first plan, the capture's)."""
+        dev = self.device
+        self.graph_prefill[tokens] = self.fi.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, backend=PREFILL_BACKEND,
+            qo_indptr_buf=torch.zeros(requests + 1, dtype=torch.int32, device=dev),
+            paged_kv_indptr_buf=torch.zeros(requests + 1, dtype=torch.int32, device=dev),
+            paged_kv_indices_buf=torch.zeros(requests * max_pages_per_req, dtype=torch.int32, device=dev),
+            paged_kv_last_page_len_buf=torch.zeros(requests, dtype=torch.int32, device=dev),
+        )
+
     def prepare_graph(self, batch: Batch) -> None:
         """Plan the graph wrapper of ``batch.padded_size`` (before capture and before every replay)."""
         self.split = self.paged = None
+        if not batch.is_decode:
+            self.prepare(batch, self.graph_prefill[batch.padded_size])
+            return
         split = self.split_graphs.get(batch.padded_size)
         if split is not None:  # split_decode reads positions and page-table rows on the device: no plan
             self.active, self.split = None, split
