@@ -72,3 +72,16 @@ def test_a_dropped_llm_frees_its_engine_without_the_cyclic_gc(tiny_llama_dir):
         assert engine() is None
     finally:
         gc.enable()
+
+
+def test_malformed_token_id_prompts_fail_alone_with_the_reason(tiny_llm):
+    vocab = tiny_llm.model_config.vocab_size
+    prompts = [[], [1, vocab], [-1, 2], [True, 2], [3, 2.0], [4, 5]]
+    outs = tiny_llm.generate(prompts, SamplingParams(temperature=0, max_new_tokens=2))
+    errors = [o.error for o in outs]
+    assert errors[0] == "prompt is empty"
+    assert f"[{vocab}]" in errors[1] and "outside the vocabulary" in errors[1]
+    assert "[-1]" in errors[2] and "outside the vocabulary" in errors[2]
+    assert "a list of token ids (int), not a list of bool, int" in errors[3]  # a bool is not a token id
+    assert "not a list of float, int" in errors[4]
+    assert errors[5] is None and outs[5].completion_tokens == 2
