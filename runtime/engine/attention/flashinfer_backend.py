@@ -42,7 +42,10 @@ SPLIT_DECODE_MAX_BATCH = 1
 # against 30.2, at 256 60.2 against 49.0; 32/8 x 64 at 2 8.2 against 7.6, at 32 28.3 against 21.2, at 256
 # 133.6 against 117.1; 32/8 x 128 at 256 216.8 against 209.3.
 PAGED_DECODE_MIN_BATCH = 2
-# flashinfer's kernel for prefill and chunked-prefill steps ("auto" picks fa3 on Hopper).
+# flashinfer's kernel for prefill and chunked-prefill steps ("auto" picks fa3 on Hopper, fa2 before). Measured on
+# the H200 (SmolLM2's 16k-token steps): eagerly fa2 took less GPU time (158 against 181 ms over the benchmark's
+# prefill). In CUDA-graph mode fa2's plan always splits the KV, and at 16k tokens the split's temporaries
+# (188 MB) overflowed the 128 MB workspace, so graph-mode prefill plans disable the split (``prepare``).
 PREFILL_BACKEND = "auto"
 
 
@@ -143,9 +146,12 @@ class FlashInferBackend:
         else:
             qo_indptr = torch.from_numpy(np.concatenate(([0], np.cumsum(batch.ext_lens))).astype(np.int32))
             wrapper = wrapper or self.prefill
+            # In graph mode fa2's plan would split the KV of every step, and at 16k tokens the split's temporaries
+            # overflow the workspace; a graph's prefill never splits (fa3, Hopper's default, never does).
+            no_split = wrapper is not self.prefill
             self._plan(wrapper, lambda: wrapper.plan(
                 qo_indptr, indptr_t, indices, last_t, hq, hkv, head_dim_qk=dim, page_size=page, causal=True,
-                q_data_type=self.dtype, kv_data_type=self.dtype,
+                q_data_type=self.dtype, kv_data_type=self.dtype, disable_split_kv=no_split,
             ))
 
     def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int, cos_sin: torch.Tensor) -> torch.Tensor:
