@@ -35,6 +35,7 @@ RUNS = {
     # name: (config changes, fixed-output workload)
     "tpinfer": ({}, False),
     "tpinfer_no_graphs": ({"engine__cuda_graph_max_bs": 0}, False),
+    "tpinfer_eager_prefill": ({"engine__cuda_graph_prefill_tokens": 0}, False),  # decode graphs only
     "tpinfer_no_overlap": ({"scheduler__overlap": False}, False),
     "tpinfer_nccl": ({"parallel__all_reduce": "nccl"}, False),  # TP > 1: every all-reduce through NCCL
     "tpinfer_fixed": ({}, True),
