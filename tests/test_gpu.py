@@ -163,7 +163,7 @@ def _chunked_prefill_then_decode(
 
 def test_prefill_graphs_match_eager_prefill_and_hf_float32(fi_engine):
     """Chunked prefill steps replayed from CUDA graphs (padded with dummy tokens, which write only the dummy
-    page, and dummy requests of no tokens), and the decode step after them, against HF float32 on the same
+    page, and dummy requests computing no tokens), and the decode step after them, against HF float32 on the same
     weights (within twice HF's own bf16 error + 2e-3, as test_flashinfer_bf16_logits_against_hf_float32) and
     against the same steps run eagerly. The KV cache is poisoned with NaN before each run, so a real slot
     the graph failed to write shows; a dummy token's write into a real slot would show in the later steps."""

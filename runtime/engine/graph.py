@@ -4,7 +4,7 @@ Decode batch sizes ``[1, 2, 4, 8, 16, 24, ...]`` up to a maximum, and prefill to
 2048, ...]`` up to a maximum, are captured largest first into one shared memory pool, each after a warm-up
 run. Inputs live in static buffers and logits in one preallocated buffer (model dtype). A decode batch is
 padded to the next captured size with dummy requests on the reserved dummy row/page; a prefill step with
-dummy tokens (which read and write the dummy page only) and dummy requests of no tokens, up to the graph's
+dummy tokens (which read and write the dummy page only) and dummy requests computing none (one cached token on the dummy page each), up to the graph's
 fixed request count (flashinfer's prefill plan in graph mode needs a fixed batch size). A replay copies in
 only the rows and positions of the tokens (and, for prefill, each request's last-token index); the graph
 gathers its token ids and cache slots from the device pools itself (``runtime.engine.decode_inputs``).
@@ -79,17 +79,21 @@ class GraphRunner:
             return next((bs for bs in self.bs_list if bs >= batch.size), None)
         return prefill_graph_size(self.prefill_sizes, batch.num_tokens)
 
+    def requests(self, size: int, decode: bool) -> int:
+        """Requests (and logits rows) of the graph of ``size``: a decode graph's size is its request count."""
+        return size if decode else self.prefill_reqs[size]
+
     def pad(self, batch: Batch, size: int) -> Batch:
-        """The batch padded to a captured size with dummy requests on the dummy row: decode, to ``size``
-        requests of one token; prefill, to the graph's request count, with no tokens (the engine pads the
-        tokens themselves to ``size``)."""
+        """The batch padded to a captured size with dummy requests on the dummy row, each with one token on
+        the dummy page: decode, to ``size`` requests computing that token; prefill, to the graph's request
+        count, with it cached and nothing computed (the engine pads the tokens themselves to ``size``)."""
         decode = batch.is_decode
-        extra = (size if decode else self.prefill_reqs[size]) - batch.size
+        extra = self.requests(size, decode) - batch.size
         dummy = self.engine.dummy_row
         padded = dataclasses.replace(
             batch,
             rows=np.concatenate((batch.rows, np.full(extra, dummy, np.int32))),
-            starts=np.concatenate((batch.starts, np.zeros(extra, np.int32))),
+            starts=np.concatenate((batch.starts, np.full(extra, int(not decode), np.int32))),
             ext_lens=np.concatenate((batch.ext_lens, np.full(extra, int(decode), np.int32))),
             sample_rows=np.concatenate((batch.sample_rows, np.full(extra, dummy, np.int32))),
         )
@@ -100,7 +104,7 @@ class GraphRunner:
         """What a graph is warmed up and captured on: dummy requests on the dummy row, every token at 0 (a
         prefill's tokens spread evenly over its requests, which the attention plan sees)."""
         e = self.engine
-        reqs = size if decode else self.prefill_reqs[size]
+        reqs = self.requests(size, decode)
         ext = np.full(reqs, size // reqs, np.int32)
         ext[: size % reqs] += 1
         zeros = np.zeros(reqs, np.int32)
@@ -124,7 +128,7 @@ class GraphRunner:
         e = self.engine
         gather_into(e.token_pool, e.page_table, self.rows_pos[:2 * size], e.page_size, self.input_ids[:size],
                     self.out_loc[:size])
-        self.logits[: size if decode else self.prefill_reqs[size]] = e.model.forward()
+        self.logits[: self.requests(size, decode)] = e.model.forward()
 
     def _capture_all(self) -> None:
         e = self.engine
@@ -160,9 +164,8 @@ class GraphRunner:
         device, from the engine's upload); a prefill's ``logits_indices`` too. Returns its logits."""
         size = batch.padded_size
         self.rows_pos[:2 * size].copy_(rows_pos)
-        rows = size
+        rows = self.requests(size, batch.is_decode)
         if not batch.is_decode:
-            rows = self.prefill_reqs[size]
             self.logits_idx[:rows].copy_(batch.logits_indices)
         self.engine.attn_backend.prepare_graph(batch)
         self.graphs[batch.is_decode, size].replay()

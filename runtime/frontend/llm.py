@@ -47,6 +47,13 @@ def quiet_garbage_collector() -> None:
         gc.set_threshold(GC_YOUNG_THRESHOLD, *older)
 
 
+def _kind(prompt: object) -> str:
+    """What a rejected prompt is, for its error: its type, and a list's element types."""
+    if isinstance(prompt, list):
+        return f"a list of {', '.join(sorted({type(t).__name__ for t in prompt}))}"
+    return type(prompt).__name__
+
+
 class LLM:
     def __init__(
         self, model: str | None = None, *, config: RuntimeConfig | None = None, overrides: Sequence[str] = ()
@@ -88,11 +95,9 @@ class LLM:
                 bad = [t for t in prompt if not 0 <= t < vocab]
                 raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
             return list(prompt)
-        what = (f"a list of {', '.join(sorted({type(t).__name__ for t in prompt}))}" if isinstance(prompt, list)
-                else type(prompt).__name__)
         if self.tokenizer is None:
             raise ValueError(f"model directory {self.model_dir} has no tokenizer: a prompt must be a list of token ids"
-                             f" (int), not {what}")
+                             f" (int), not {_kind(prompt)}")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -103,7 +108,8 @@ class LLM:
                     raise ValueError("each chat message needs string 'role' and 'content' fields")
             text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
             return self.tokenizer.encode(text, add_special_tokens=False)
-        raise ValueError(f"a prompt must be a string, a list of token ids (int) or a list of chat messages, not {what}")
+        raise ValueError(f"a prompt must be a string, a list of token ids (int) or a list of chat messages, not "
+                         f"{_kind(prompt)}")
 
     def make_request(self, prompt: Prompt, params: SamplingParams) -> Req:
         ids = self.encode(prompt)

@@ -133,9 +133,7 @@ class FlashInferBackend:
         self.split = self.paged = None
         hq, hkv, dim = self.heads
         page = self.kv_cache.page_size
-        # A prefill graph's dummy requests (no tokens) keep one page, the dummy page, as real requests always do.
-        kv_lens = batch.kv_lens if batch.is_decode else np.maximum(batch.kv_lens, 1)
-        num_pages, indptr, last_len = paged_layout(kv_lens, page)
+        num_pages, indptr, last_len = paged_layout(batch.kv_lens, page)
         indices = self._indices(batch, num_pages)
         indptr_t, last_t = torch.from_numpy(indptr), torch.from_numpy(last_len)
         if batch.is_decode:
