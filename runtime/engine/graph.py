@@ -3,11 +3,12 @@
 Decode batch sizes ``[1, 2, 4, 8, 16, 24, ...]`` up to a maximum, and prefill token counts ``[256, 512, 1024,
 2048, ...]`` up to a maximum, are captured largest first into one shared memory pool, each after a warm-up
 run. Inputs live in static buffers and logits in one preallocated buffer (model dtype). A decode batch is
-padded to the next captured size with dummy requests on the reserved dummy row/page; a prefill step with
-dummy tokens (which read and write the dummy page only) and dummy requests computing none (one cached token on the dummy page each), up to the graph's
-fixed request count (flashinfer's prefill plan in graph mode needs a fixed batch size). A replay copies in
-only the rows and positions of the tokens (and, for prefill, each request's last-token index); the graph
-gathers its token ids and cache slots from the device pools itself (``runtime.engine.decode_inputs``).
+padded to the next captured size with dummy requests on the reserved dummy row/page. A prefill step is
+padded with dummy tokens (which read and write the dummy page only), and with dummy requests that compute
+nothing (one cached token on the dummy page each) up to the graph's fixed request count (flashinfer's
+prefill plan in graph mode needs a fixed batch size). A replay copies in only the rows and positions of the
+tokens (and, for prefill, each request's last-token index); the graph gathers its token ids and cache slots
+from the device pools itself (``runtime.engine.decode_inputs``).
 """
 
 from __future__ import annotations
