@@ -168,7 +168,7 @@ def test_prefill_graphs_match_eager_prefill_and_hf_float32(fi_engine):
     against the same steps run eagerly. The KV cache is poisoned with NaN before each run, so a real slot
     the graph failed to write shows; a dummy token's write into a real slot would show in the later steps."""
     runner = fi_engine.graph_runner
-    assert runner.prefill_sizes[:3] == [256, 512, 1024] and set(fi_engine.attn_backend.graph_prefill) == set(
+    assert runner.prefill_sizes[:4] == [256, 512, 768, 1024] and set(fi_engine.attn_backend.graph_prefill) == set(
         runner.prefill_sizes)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 10000, (n,), generator=gen).tolist() for n in (700, 45, 300, 5, 260)]

@@ -225,3 +225,35 @@ def test_paged_decode_replays_in_a_cuda_graph_with_new_positions():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (32, 8)])  # SmolLM2, Llama-3.2-1B
+def test_paged_decode_gives_the_same_bits_on_every_call(heads, kv_heads):
+    """200 calls on the same inputs inside a CUDA graph, each writing the same new K and V and merging its
+    chunks through the counters: every output equals the first call's bit for bit. A race between a program's
+    cache write and its read-back, or in the merge, shows here as a changed bit (with 2 warps a program, a
+    two-run token comparison in tests/test_gpu_tp.py diverged: see paged_decode.launch_config)."""
+    from runtime.engine.attention import paged_decode as pd
+    from tests.test_paged_decode import run
+    from tests.test_split_decode import make_case
+
+    gen = torch.Generator().manual_seed(11)
+    positions = torch.randint(4, 1400, (64,), generator=gen).tolist()
+    case = make_case(heads, kv_heads, 64, positions, 16, torch.bfloat16, device="cuda", seed=11)
+    chunk = pd.chunk_tokens(len(positions), kv_heads)
+    chunks = pd.num_chunks(case["table"].shape[1] * 16, chunk)
+    workspace = torch.empty(max(pd.workspace_size(64, kv_heads, heads // kv_heads, 64, chunks), 1), device="cuda")
+    counters = pd.new_counters(64, kv_heads, torch.device("cuda"))
+    first = run(case, chunk, chunks, workspace, counters).clone()
+    torch.cuda.synchronize()
+    outs = torch.empty((20, *first.shape), dtype=first.dtype, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(20):
+            outs[i].copy_(run(case, chunk, chunks, workspace, counters))
+    differing = 0
+    for _ in range(10):
+        graph.replay()
+        torch.cuda.synchronize()
+        differing += int((outs != first).flatten(1).any(1).sum())
+    assert differing == 0, f"{differing} of 200 calls differ from the first"
