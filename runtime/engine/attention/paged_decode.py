@@ -174,8 +174,8 @@ def launch_config(head_dim: int) -> tuple[int, int]:
     requests of 9/3 heads, 49.9 against 52.2 at 256; SmolLM2 +4% in the engine) but are not the default:
     with 2 warps and 2 stages, tests/test_gpu_tp.py's one-GPU test, two runs that must give the same tokens,
     failed in two runs of three (one sampled token off by one id, then diverging). With the default it
-    passed every time. A kernel that is not deterministic run to run is not used until that is understood;
-    Triton 3.6 has open reports of tl.dot loops with runtime bounds that race at some warp counts."""
+    passed every time. A kernel that is not deterministic run to run is not used until the cause is found
+    (tests/test_gpu_kernels.py checks the bits of repeated calls; patch NUM_WARPS = 2 to test it)."""
     return NUM_WARPS or 4, NUM_STAGES or (3 if head_dim <= 64 else 2)
 
 
