@@ -1,8 +1,8 @@
 """CUDA graphs for decode and prefill steps (the GraphRunner of ARCHITECTURE.md).
 
 Decode batch sizes ``[1, 2, 4, 8, 16, 24, ...]`` up to a maximum, and prefill token counts ``[256, 512, ...,
-2048, 3072, 4096, ...]`` up to a maximum, are captured largest first into one shared memory pool, each after a warm-up
-run. Inputs live in static buffers and logits in one preallocated buffer (model dtype). A decode batch is
+2048, 3072, 4096, ...]`` up to a maximum, are captured largest first into one shared memory pool, each after
+a warm-up run. Inputs live in static buffers and logits in one preallocated buffer (model dtype). A decode batch is
 padded to the next captured size with dummy requests on the reserved dummy row/page. A prefill step is
 padded with dummy tokens (which read and write the dummy page only), and with dummy requests that compute
 nothing (one cached token on the dummy page each) up to the graph's fixed request count (flashinfer's
@@ -27,9 +27,9 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return [bs for bs in [1, 2, 4, *range(8, max_bs + 1, 8)] if bs <= max_bs]
 
 
-# Prefill graphs every 256 tokens up to here, every 1024 above: a small step (the last chunk of a prefill, a
-# few new prompts) then always fits a graph with at most 255 dummy tokens. Eagerly, the 1,438-token last step of
-# SmolLM2's benchmark prefill took 19-29 ms of host-bound launches against ~13 ms for a full 16k-token graph.
+# Prefill graphs every 256 tokens up to here, every 1024 above: a small step (the last chunk of a prefill,
+# a few new prompts) then always fits a graph with at most 255 dummy tokens. Eagerly, the 1,438-token last
+# step of SmolLM2's benchmark prefill took 19-29 ms of host-bound GPU time; in its 1,536-token graph, 2.2 ms.
 FINE_PREFILL_TOKENS = 2048
 
 
