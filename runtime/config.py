@@ -59,7 +59,7 @@ class EngineSection:
     kernels: str = "auto"  # auto | torch | flashinfer: norms, RoPE, activation, sampling
     cuda_graph_max_bs: int = 256  # largest decode batch replayed from a CUDA graph; 0 disables graphs
     # Prefill steps of up to this many tokens (capped at scheduler.max_prefill_tokens) replay CUDA graphs too,
-    # captured at 256, 512 and every 1024 tokens; a step is padded to the next captured size when that adds at
+    # captured every 256 tokens up to 2048 and every 1024 above; a step is padded to the next captured size when that adds at
     # most max(256, size / 16) tokens, else it runs eagerly. Eager prefill is bound by the host's launches for
     # small models (SmolLM2: ~15 ms of host work a step against ~10 ms of GPU work). 0: eager prefill.
     cuda_graph_prefill_tokens: int = 16384

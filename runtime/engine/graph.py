@@ -63,15 +63,14 @@ class GraphRunner:
         self.bs_list = graph_batch_sizes(max_bs)
         self.max_bs = self.bs_list[-1]
         self.prefill_sizes = prefill_graph_sizes(prefill_tokens)
-        # A prefill step holds at most one request per row and per token; the graph plans exactly this many.
-        self.prefill_reqs = {t: min(engine.max_running, t) for t in self.prefill_sizes}
+        self.max_running = engine.max_running
         tokens = max([self.max_bs, *self.prefill_sizes])
         dev = engine.device
         self.input_ids = torch.zeros(tokens, dtype=torch.int32, device=dev)
         self.out_loc = torch.zeros(tokens, dtype=torch.int64, device=dev)
         # The graph of n tokens reads rows from [:n] and positions from [n:2 * n] (the upload's layout).
         self.rows_pos = torch.zeros(2 * tokens, dtype=torch.int64, device=dev)
-        logit_rows = max([self.max_bs, *self.prefill_reqs.values()])
+        logit_rows = max(self.max_bs, self.requests(self.prefill_sizes[-1], False) if self.prefill_sizes else 0)
         self.logits_idx = torch.zeros(logit_rows, dtype=torch.int64, device=dev)  # prefill: each request's last token
         # In the model's dtype: consumers upcast where they need to (sampling, logprobs), and a float32 buffer
         # would cost a conversion pass over [batch, vocab] every step.
@@ -90,8 +89,9 @@ class GraphRunner:
         return prefill_graph_size(self.prefill_sizes, batch.num_tokens)
 
     def requests(self, size: int, decode: bool) -> int:
-        """Requests (and logits rows) of the graph of ``size``: a decode graph's size is its request count."""
-        return size if decode else self.prefill_reqs[size]
+        """Requests (and logits rows) of the graph of ``size``: a decode graph's size is its request count; a
+        prefill graph plans for the most a step can hold, one request per row and per token."""
+        return size if decode else min(self.max_running, size)
 
     def pad(self, batch: Batch, size: int) -> Batch:
         """The batch padded to a captured size with dummy requests on the dummy row, each with one token on
@@ -149,7 +149,7 @@ class GraphRunner:
             if decode:
                 e.attn_backend.init_graph(size, e.max_pages_per_req)
             else:
-                e.attn_backend.init_prefill_graph(size, self.prefill_reqs[size], e.max_pages_per_req)
+                e.attn_backend.init_prefill_graph(size, self.requests(size, False), e.max_pages_per_req)
             batch = self._dummy_batch(size, decode)
             e.attn_backend.prepare_graph(batch)
             with e.ctx.forward_batch(batch):

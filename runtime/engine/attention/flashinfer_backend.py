@@ -144,9 +144,7 @@ class FlashInferBackend:
         else:
             qo_indptr = torch.from_numpy(np.concatenate(([0], np.cumsum(batch.ext_lens))).astype(np.int32))
             wrapper = wrapper or self.prefill
-            # In graph mode fa2's plan would split the KV of every step, and at 16k tokens the split's temporaries
-            # overflow the workspace; a graph's prefill never splits (fa3, Hopper's default, never does).
-            no_split = wrapper is not self.prefill
+            no_split = wrapper is not self.prefill  # graph mode: see PREFILL_BACKEND
             self._plan(wrapper, lambda: wrapper.plan(
                 qo_indptr, indptr_t, indices, last_t, hq, hkv, head_dim_qk=dim, page_size=page, causal=True,
                 q_data_type=self.dtype, kv_data_type=self.dtype, disable_split_kv=no_split,
