@@ -229,12 +229,11 @@ def test_paged_decode_replays_in_a_cuda_graph_with_new_positions():
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (32, 8)])  # SmolLM2, Llama-3.2-1B
 def test_paged_decode_gives_the_same_bits_on_every_call(heads, kv_heads):
-    """200 calls on the same inputs inside a CUDA graph, each writing the same new K and V and merging its
-    chunks through the counters: every output equals the first call's bit for bit. A race between a program's
-    cache write and its read-back, or in the merge, shows here as a changed bit (with 2 warps a program, a
-    two-run token comparison in tests/test_gpu_tp.py diverged: see paged_decode.launch_config)."""
+    """200 calls on the same inputs inside a CUDA graph, the step's slots poisoned with NaN before each, every
+    call writing the new K and V and merging its chunks through the counters: every output equals the first
+    call's bit for bit (a read of a slot before its write, or a race in the merge, changes bits)."""
     from runtime.engine.attention import paged_decode as pd
-    from tests.test_paged_decode import run
+    from tests.test_paged_decode import poison_new_slots, run
     from tests.test_split_decode import make_case
 
     gen = torch.Generator().manual_seed(11)
@@ -244,12 +243,15 @@ def test_paged_decode_gives_the_same_bits_on_every_call(heads, kv_heads):
     chunks = pd.num_chunks(case["table"].shape[1] * 16, chunk)
     workspace = torch.empty(max(pd.workspace_size(64, kv_heads, heads // kv_heads, 64, chunks), 1), device="cuda")
     counters = pd.new_counters(64, kv_heads, torch.device("cuda"))
+    poison_new_slots(case)
     first = run(case, chunk, chunks, workspace, counters).clone()
     torch.cuda.synchronize()
+    assert not first.isnan().any()
     outs = torch.empty((20, *first.shape), dtype=first.dtype, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(20):
+            poison_new_slots(case)
             outs[i].copy_(run(case, chunk, chunks, workspace, counters))
     differing = 0
     for _ in range(10):
@@ -257,3 +259,21 @@ def test_paged_decode_gives_the_same_bits_on_every_call(heads, kv_heads):
         torch.cuda.synchronize()
         differing += int((outs != first).flatten(1).any(1).sum())
     assert differing == 0, f"{differing} of 200 calls differ from the first"
+
+
+@pytest.mark.parametrize(("rows", "hidden"), [(256, 576), (7, 2048), (64, 4096), (16384, 576), (1500, 3584)])
+def test_add_rms_norm_matches_the_torch_path_and_flashinfer(rows, hidden):
+    """The compiled kernel in bf16: the new residual equal to the torch path's bits and flashinfer's, the normed
+    rows within two bf16 roundings of both (flashinfer rounds the product once, HF and this kernel twice)."""
+    from models import add_norm
+    from models.ops import FLASHINFER_KERNELS
+    from tests.test_add_norm import check_against_torch
+
+    check_against_torch(rows, hidden, torch.bfloat16, device="cuda")
+    x = torch.randn(rows, hidden, dtype=torch.bfloat16, device="cuda") * 3
+    residual = torch.randn(rows, hidden, dtype=torch.bfloat16, device="cuda")
+    weight = torch.rand(hidden, dtype=torch.bfloat16, device="cuda") + 0.5
+    fi_out, fi_res = FLASHINFER_KERNELS.add_rms_norm(x.clone(), residual.clone(), weight, 1e-6)
+    out, res = add_norm.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(res, fi_res)
+    assert torch.all((out.float() - fi_out.float()).abs() <= fi_out.float().abs() * 2**-6 + 1e-6)

@@ -29,7 +29,7 @@ def poison_new_slots(case: dict) -> None:
     """NaN in the slots the step writes (the reference never reads them): reading one before the kernel's
     own write, or another program's half-written one, makes the output NaN."""
     flat = case["cache"].buffer[0].view(2, -1, *case["cache"].buffer.shape[-2:])
-    flat[:, case["out_loc"]] = float("nan")
+    flat.index_fill_(1, case["out_loc"], float("nan"))  # (an index_fill: capturable in a CUDA graph)
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models import gemv
+from models import add_norm, gemv
 from models.config import ModelConfig
 from models.context import ForwardContext
 from models.ops import FLASHINFER_KERNELS, TORCH_KERNELS
@@ -82,6 +82,8 @@ class Engine:
         if use_fi and not on_gpu:
             raise ValueError("engine.kernels=flashinfer needs a CUDA device")
         kernels = FLASHINFER_KERNELS if use_fi else TORCH_KERNELS
+        if use_fi and add_norm.PREFERRED and add_norm.supported(self.device):
+            kernels = dataclasses.replace(kernels, add_rms_norm=add_norm.add_rms_norm)
         # The fused single-token layers pay inside CUDA graphs only (eagerly, the 1B step took 5.7 ms
         # against 4.7: Triton's launch overhead on the host).
         # auto fuses wherever it can: faster at every measured width (135M to 8B shapes, benchmarks/README.md).

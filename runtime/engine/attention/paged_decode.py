@@ -8,7 +8,9 @@ program per (request, KV head, chunk of ``chunk`` tokens):
 
 - the program rotates its query heads (the GQA group, padded to the 16 rows a tensor-core tile needs) and
   keeps them in registers, rounded to the model dtype as the unfused path holds them; the program whose
-  chunk holds the step's token also rotates its K and writes K and V to the token's cache slot first;
+  chunk holds the step's token also rotates its K, writes K and V to the token's cache slot and starts its
+  softmax state with that token from registers (no program reads a slot written in the same step, so no
+  barrier orders a write before a read, and the token's values are not live through the loop);
 - it walks its chunk in blocks of 64 tokens through the page table: ``q @ K^T`` and ``P @ V`` on the tensor
   cores (P rounded to the model dtype, as in flashinfer's kernel), online softmax in float32, block loads
   pipelined by Triton (``num_stages``);
@@ -43,17 +45,25 @@ if triton is not None:
     from runtime.engine.attention.split_decode import _merge_if_last
 
     @triton.jit
-    def _attend_block(
-        q, m, lsum, acc, pages, head, t0, end, plane_stride, scale, HKV: tl.constexpr, D: tl.constexpr,
-        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
-    ):
-        """One block of cached tokens [t0, t0 + BLOCK_N) below ``end`` folded into the running softmax state."""
+    def _block_slots(pages, t0, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The cache slots of tokens [t0, t0 + BLOCK_N) through the page table, and which are below ``end``."""
         t = t0 + tl.arange(0, BLOCK_N)
         t_ok = t < end
         page = tl.load(pages + t // PAGE, mask=t_ok, other=0).to(tl.int64)
-        slot = head + ((page * PAGE) + t % PAGE)[:, None] * (HKV * D)
-        k = tl.load(slot, mask=t_ok[:, None], other=0.0)
-        v = tl.load(slot + plane_stride, mask=t_ok[:, None], other=0.0)
+        return t_ok, page * PAGE + t % PAGE
+
+    @triton.jit
+    def _load_kv(head, slots, t_ok, plane_stride, HKV: tl.constexpr, D: tl.constexpr):
+        """One KV head's K and V rows at ``slots`` ([BLOCK_N, D] each; masked rows read nothing)."""
+        row = head + slots[:, None] * (HKV * D)
+        k = tl.load(row, mask=t_ok[:, None], other=0.0)
+        v = tl.load(row + plane_stride, mask=t_ok[:, None], other=0.0)
+        return k, v
+
+    @triton.jit
+    def _fold_block(q, m, lsum, acc, k, v, t_ok, scale, INTERPRET: tl.constexpr):
+        """One block of cached tokens folded into the running softmax state (q @ K^T and P @ V on the tensor
+        cores, P rounded to the model dtype as flashinfer's kernel does)."""
         if INTERPRET:  # the interpreter's bf16 products are wrong: float32 operands, same rounding of P
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
         else:
@@ -87,12 +97,13 @@ if triton is not None:
         b = tl.program_id(0)
         h = tl.program_id(1)
         c = tl.program_id(2)
-        pos = tl.load(pos_ptr + b)
-        n = pos + 1  # the tokens attended: the cached ones and the step's own
+        pos = tl.load(pos_ptr + b)  # the step's token: pos cached tokens come before it
         start = c * CHUNK
-        if start >= n:  # a chunk past this request's sequence: nothing to read or write (the merge skips it)
+        if start > pos:  # a chunk past this request's sequence: nothing to read or write (the merge skips it)
             return
-        end = tl.minimum(start + CHUNK, n)
+        cached_end = tl.minimum(start + CHUNK, pos)  # this chunk's cached tokens (the step's own: from registers)
+        pages = table_ptr + tl.load(row_ptr + b).to(tl.int64) * table_stride
+        head = cache_ptr + h * D + tl.arange(0, D)[None, :]
         g = tl.arange(0, QROWS)
         g_ok = g < GROUP
         dims = tl.arange(0, D)
@@ -107,33 +118,35 @@ if triton is not None:
         # The query heads rotated and rounded to the model dtype, as the unfused path holds them.
         q_rows = q_ptr + b.to(tl.int64) * q_stride + (h * GROUP + g)[:, None] * D
         q = _rotate(q_rows, dims[None, :], swapped[None, :], sign, cos, sin, g_ok[:, None]).to(dtype)
-        head = cache_ptr + h * D + dims[None, :]
-        if start + CHUNK >= n:
-            # The chunk that holds the new token writes its rotated K and its V to the cache slot first, and
-            # reads them back with the rest: the barrier makes every thread's store visible to the block
-            # (no other program reads this slot in this step).
+        if start + CHUNK > pos:
+            # The chunk that holds the step's token rotates its K, writes K and V to the token's slot, and starts
+            # its softmax state with that token, from registers: no program reads a slot written in this step
+            # (nothing to order), and nothing of the token stays live through the loop.
             k_row = kv_ptr + b.to(tl.int64) * kv_stride + h * D
-            k = _rotate(k_row, dims, swapped, sign, cos, sin, dims < D).to(dtype)
+            k_new = _rotate(k_row, dims, swapped, sign, cos, sin, dims < D).to(dtype)
+            v_new = tl.load(k_row + HKV * D + dims)
             slot = cache_ptr + tl.load(loc_ptr + b).to(tl.int64) * (HKV * D) + h * D + dims
-            tl.store(slot, k)
-            tl.store(slot + plane_stride, tl.load(k_row + HKV * D + dims))
-            tl.debug_barrier()
-        pages = table_ptr + tl.load(row_ptr + b).to(tl.int64) * table_stride
-        m = tl.full((QROWS,), float("-inf"), tl.float32)
-        lsum = tl.zeros((QROWS,), tl.float32)
-        acc = tl.zeros((QROWS, D), tl.float32)
-        # Compiled, a for loop over a trip count known on the device (Triton pipelines its loads); the
-        # interpreter (the CPU tests) cannot range over a runtime bound, so it walks the chunk in a while loop.
-        if INTERPRET:
-            t0 = start
-            while t0 < end:
-                m, lsum, acc = _attend_block(q, m, lsum, acc, pages, head, t0, end, plane_stride, scale, HKV, D, PAGE,
-                                             BLOCK_N, INTERPRET)
-                t0 += BLOCK_N
+            tl.store(slot, k_new)
+            tl.store(slot + plane_stride, v_new)
+            m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
+            lsum = tl.full((QROWS,), 1.0, tl.float32)  # its weight exp2(s - m) = 1, exact in any dtype
+            acc = tl.zeros((QROWS, D), tl.float32) + v_new.to(tl.float32)[None, :]
         else:
-            for i in range(0, tl.cdiv(end - start, BLOCK_N)):
-                m, lsum, acc = _attend_block(q, m, lsum, acc, pages, head, start + i * BLOCK_N, end, plane_stride,
-                                             scale, HKV, D, PAGE, BLOCK_N, INTERPRET)
+            m = tl.full((QROWS,), float("-inf"), tl.float32)
+            lsum = tl.zeros((QROWS,), tl.float32)
+            acc = tl.zeros((QROWS, D), tl.float32)
+        if INTERPRET:  # the interpreter cannot range over a runtime bound
+            t0 = start
+            while t0 < cached_end:
+                ok, slots = _block_slots(pages, t0, cached_end, PAGE, BLOCK_N)
+                k_blk, v_blk = _load_kv(head, slots, ok, plane_stride, HKV, D)
+                m, lsum, acc = _fold_block(q, m, lsum, acc, k_blk, v_blk, ok, scale, INTERPRET)
+                t0 += BLOCK_N
+        else:  # a for loop over a trip count known on the device: Triton pipelines its loads (num_stages)
+            for i in range(0, tl.cdiv(cached_end - start, BLOCK_N)):
+                ok, slots = _block_slots(pages, start + i * BLOCK_N, cached_end, PAGE, BLOCK_N)
+                k_blk, v_blk = _load_kv(head, slots, ok, plane_stride, HKV, D)
+                m, lsum, acc = _fold_block(q, m, lsum, acc, k_blk, v_blk, ok, scale, INTERPRET)
         if CHUNKS_P2 == 1:
             out = out_ptr + b.to(tl.int64) * (HQ * D) + (h * GROUP + g)[:, None] * D + dims[None, :]
             tl.store(out, (acc / lsum[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
@@ -144,7 +157,7 @@ if triton is not None:
             tl.store(part[:, None] + dims[None, :], acc, mask=g_ok[:, None])
             tl.store(part + D, m, mask=g_ok)
             tl.store(part + D + 1, lsum, mask=g_ok)
-            _merge_if_last(part_ptr, count_ptr, out_ptr, b, h, tl.cdiv(n, CHUNK), HQ, HKV, GROUP, GROUP_P2, D,
+            _merge_if_last(part_ptr, count_ptr, out_ptr, b, h, tl.cdiv(pos + 1, CHUNK), HQ, HKV, GROUP, GROUP_P2, D,
                            CHUNKS_P2)
 
 
@@ -167,16 +180,18 @@ NUM_WARPS: int | None = None
 NUM_STAGES: int | None = None
 
 
-def launch_config(head_dim: int) -> tuple[int, int]:
-    """(num_warps, num_stages) of a program: 4 warps, 3 stages for heads of 64 and 2 for 128.
-
-    Two warps are faster for heads of 64 (benchmarks/README.md, tenth session: 14.5 against 17.9 us at 64
-    requests of 9/3 heads, 49.9 against 52.2 at 256; SmolLM2 +4% in the engine) but are not the default:
-    with 2 warps and 2 stages, tests/test_gpu_tp.py's one-GPU test, two runs that must give the same tokens,
-    failed in two runs of three (one sampled token off by one id, then diverging). With the default it
-    passed every time. A kernel that is not deterministic run to run is not used until the cause is found
-    (tests/test_gpu_kernels.py checks the bits of repeated calls; patch NUM_WARPS = 2 to test it)."""
-    return NUM_WARPS or 4, NUM_STAGES or (3 if head_dim <= 64 else 2)
+def launch_config(head_dim: int, chunk: int) -> tuple[int, int]:
+    """(num_warps, num_stages) of a program. Heads of 64: 2 warps (more programs an SM; 1.3-20% faster than 4
+    at 16-256 requests of 9/3 heads), and 5 stages for chunks of 1,024 tokens (Triton then double-buffers K
+    and V: 68.5 against 70.3 us at 256 requests; fewer stages win at shorter chunks). Heads of 128: 4 warps,
+    2 stages. Measured on one H200 with scripts/bench_attention.py's cache (benchmarks/README.md, eleventh
+    session). Two warps were held back once over a two-run token test that diverged; the kernel no longer reads
+    back the slot it writes, and both that test and the bits of 200 calls over re-poisoned slots hold."""
+    if head_dim <= 64:
+        warps, stages = 2, (5 if chunk >= 1024 else 2)
+    else:
+        warps, stages = 4, 2
+    return NUM_WARPS or warps, NUM_STAGES or stages
 
 
 def chunk_tokens(batch_size: int, kv_heads: int, max_len: int = 0) -> int:
@@ -227,7 +242,7 @@ def paged_decode(
     group = heads // kv_heads
     out = torch.empty(batch, heads * dim, dtype=q.dtype, device=q.device)
     grid_chunks = min(chunks, triton.cdiv(page_table.shape[1] * cache.shape[2], chunk))
-    warps, stages = launch_config(dim)
+    warps, stages = launch_config(dim, chunk)
     _chunk_attend[(batch, kv_heads, grid_chunks)](
         q, q.stride(0), kv, kv.stride(0), positions, rows, out_loc, cos_sin, page_table, page_table.stride(0), cache,
         cache.stride(0), workspace, counters, out, LOG2E / math.sqrt(dim),

@@ -1,0 +1,79 @@
+"""Residual add + RMSNorm in one Triton kernel (GPU), HF's numerics.
+
+flashinfer's fused add + RMSNorm is two kernels' worth of latency for a decode step's few rows: on
+SmolLM2's 256 x 576 it took ~2.7 us a call, twice a layer, ~10% of the step (benchmarks/README.md).
+Here one program takes a few whole rows (the hidden size padded to a power of two), and on Hopper it
+launches with programmatic dependent launch like ``models/gemv.py``: it waits for its predecessor
+(``gdc_wait``) before touching memory, so its launch overlaps the previous kernel's tail.
+
+Numerics are the torch path's (``models/ops.py``): the sum rounded to the model dtype is the new
+residual, its float32 RMS normalises it, the normed row is rounded, then multiplied by the weight.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.gemv import use_pdl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs keep the torch and flashinfer norms
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _add_rms_norm(
+        x_ptr, res_ptr, w_ptr, rows, x_stride, res_stride, eps, H: tl.constexpr, BLOCK_H: tl.constexpr,
+        ROWS: tl.constexpr, PDL: tl.constexpr,
+    ):
+        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        col = tl.arange(0, BLOCK_H)
+        col_ok = col < H
+        ok = (row < rows)[:, None] & col_ok[None, :]
+        row = row.to(tl.int64)[:, None]
+        x_at = x_ptr + row * x_stride + col[None, :]
+        res_at = res_ptr + row * res_stride + col[None, :]
+        if PDL:
+            tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
+            tl.extra.cuda.gdc_launch_dependents()
+        dtype = x_ptr.dtype.element_ty
+        w = tl.load(w_ptr + col, mask=col_ok, other=0.0)
+        s = tl.load(x_at, mask=ok, other=0.0).to(tl.float32) + tl.load(res_at, mask=ok, other=0.0).to(tl.float32)
+        s = s.to(dtype)
+        tl.store(res_at, s, mask=ok)
+        s = s.to(tl.float32)
+        normed = s * tl.rsqrt(tl.sum(s * s, axis=1) / H + eps)[:, None]
+        tl.store(x_at, (normed.to(dtype).to(tl.float32) * w.to(tl.float32)[None, :]).to(dtype), mask=ok)
+
+
+# The engine takes this kernel over flashinfer's where it can (patchable: benchmarks compare the two).
+PREFERRED = True
+
+
+def supported(device: torch.device) -> bool:
+    return triton is not None and device.type == "cuda"
+
+
+def launch_shape(rows: int, hidden: int) -> tuple[int, int]:
+    """(rows a program, warps): one row a program up to 1,024 rows (decode steps: every program resident
+    at once), four above (prefill: fewer, fuller programs); a warp per 256 padded columns, 1-8."""
+    block = triton.next_power_of_2(hidden)
+    return (1 if rows <= 1024 else 4), min(8, max(1, block // 256))
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place, as flashinfer's: ``residual <- x + residual``, ``x <- rmsnorm(residual) * weight``.
+    ``x`` and ``residual``: ``[rows, hidden]`` with dense rows. Returns ``(x, residual)``."""
+    rows, hidden = x.shape
+    per_program, warps = launch_shape(rows, hidden)
+    pdl = use_pdl(x.device.index or 0)
+    _add_rms_norm[(triton.cdiv(rows, per_program),)](
+        x, residual, weight, rows, x.stride(0), residual.stride(0), eps, H=hidden,
+        BLOCK_H=triton.next_power_of_2(hidden), ROWS=per_program, PDL=pdl, launch_pdl=pdl, num_warps=warps,
+    )
+    return x, residual
