@@ -1,16 +1,19 @@
 """Residual add + RMSNorm in one Triton kernel (GPU), HF's numerics.
 
-flashinfer's fused add + RMSNorm is two kernels' worth of latency for a decode step's few rows: on
-SmolLM2's 256 x 576 it took ~2.7 us a call, twice a layer, ~10% of the step (benchmarks/README.md).
-Here one program takes a few whole rows (the hidden size padded to a power of two), and on Hopper it
-launches with programmatic dependent launch like ``models/gemv.py``: it waits for its predecessor
-(``gdc_wait``) before touching memory, so its launch overlaps the previous kernel's tail.
+flashinfer's fused add + RMSNorm runs twice a layer and is latency-bound at a decode step's few rows:
+1.77 us a call at SmolLM2's 256 x 576 inside a CUDA graph, against 1.15 here (benchmarks/README.md,
+eleventh session on issue 13). Here one program takes one or four whole rows (the hidden size padded to a
+power of two), and on Hopper it launches with programmatic dependent launch like ``models/gemv.py``: it
+waits for its predecessor (``gdc_wait``) before touching memory, so its launch overlaps the previous
+kernel's tail.
 
 Numerics are the torch path's (``models/ops.py``): the sum rounded to the model dtype is the new
 residual, its float32 RMS normalises it, the normed row is rounded, then multiplied by the weight.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -49,19 +52,18 @@ if triton is not None:
         tl.store(x_at, (normed.to(dtype).to(tl.float32) * w.to(tl.float32)[None, :]).to(dtype), mask=ok)
 
 
-# The engine takes this kernel over flashinfer's where it can (patchable: benchmarks compare the two).
+# The engine takes this kernel over flashinfer's wherever Triton runs on the GPU (``gemv.supported``);
+# patchable, so that benchmarks compare the two.
 PREFERRED = True
 
 
-def supported(device: torch.device) -> bool:
-    return triton is not None and device.type == "cuda"
-
-
-def launch_shape(rows: int, hidden: int) -> tuple[int, int]:
-    """(rows a program, warps): one row a program up to 1,024 rows (decode steps: every program resident
-    at once), four above (prefill: fewer, fuller programs); a warp per 256 padded columns, 1-8."""
+@functools.cache
+def launch_shape(rows: int, hidden: int) -> tuple[int, int, int]:
+    """(rows a program, padded columns, warps): one row a program up to 1,024 rows (decode steps: every
+    program resident at once), four above (prefill: fewer, fuller programs); a warp per 256 padded columns,
+    1-8. Cached: eager steps call it every layer."""
     block = triton.next_power_of_2(hidden)
-    return (1 if rows <= 1024 else 4), min(8, max(1, block // 256))
+    return (1 if rows <= 1024 else 4), block, min(8, max(1, block // 256))
 
 
 def add_rms_norm(
@@ -70,10 +72,10 @@ def add_rms_norm(
     """In place, as flashinfer's: ``residual <- x + residual``, ``x <- rmsnorm(residual) * weight``.
     ``x`` and ``residual``: ``[rows, hidden]`` with dense rows. Returns ``(x, residual)``."""
     rows, hidden = x.shape
-    per_program, warps = launch_shape(rows, hidden)
+    per_program, block, warps = launch_shape(rows, hidden)
     pdl = use_pdl(x.device.index or 0)
     _add_rms_norm[(triton.cdiv(rows, per_program),)](
-        x, residual, weight, rows, x.stride(0), residual.stride(0), eps, H=hidden,
-        BLOCK_H=triton.next_power_of_2(hidden), ROWS=per_program, PDL=pdl, launch_pdl=pdl, num_warps=warps,
+        x, residual, weight, rows, x.stride(0), residual.stride(0), eps, H=hidden, BLOCK_H=block,
+        ROWS=per_program, PDL=pdl, launch_pdl=pdl, num_warps=warps,
     )
     return x, residual

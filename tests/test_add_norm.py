@@ -36,6 +36,6 @@ def test_matches_the_torch_path(rows, hidden, dtype):
 
 
 def test_launch_shape_takes_one_row_a_program_for_decode_steps():
-    assert add_norm.launch_shape(256, 576) == (1, 4)
-    assert add_norm.launch_shape(16384, 4096) == (4, 8)
-    assert add_norm.launch_shape(8, 64) == (1, 1)
+    assert add_norm.launch_shape(256, 576) == (1, 1024, 4)
+    assert add_norm.launch_shape(16384, 4096) == (4, 4096, 8)
+    assert add_norm.launch_shape(8, 64) == (1, 64, 1)

@@ -82,13 +82,14 @@ class Engine:
         if use_fi and not on_gpu:
             raise ValueError("engine.kernels=flashinfer needs a CUDA device")
         kernels = FLASHINFER_KERNELS if use_fi else TORCH_KERNELS
-        if use_fi and add_norm.PREFERRED and add_norm.supported(self.device):
+        triton_gpu = use_fi and gemv.supported(self.device)  # our Triton kernels can run here
+        if triton_gpu and add_norm.PREFERRED:
             kernels = dataclasses.replace(kernels, add_rms_norm=add_norm.add_rms_norm)
         # The fused single-token layers pay inside CUDA graphs only (eagerly, the 1B step took 5.7 ms
         # against 4.7: Triton's launch overhead on the host).
         # auto fuses wherever it can: faster at every measured width (135M to 8B shapes, benchmarks/README.md).
         fused = cfg.engine.fused_gemv != "never"
-        if fused and use_fi and self.tp_size == 1 and cfg.engine.cuda_graph_max_bs > 0 and gemv.supported(self.device):
+        if fused and triton_gpu and self.tp_size == 1 and cfg.engine.cuda_graph_max_bs > 0:
             kernels = dataclasses.replace(kernels, fused_gemv=True)
         free_before = self._free_memory()
         self.model = load_model(

@@ -45,25 +45,18 @@ if triton is not None:
     from runtime.engine.attention.split_decode import _merge_if_last
 
     @triton.jit
-    def _block_slots(pages, t0, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-        """The cache slots of tokens [t0, t0 + BLOCK_N) through the page table, and which are below ``end``."""
+    def _attend_block(
+        q, m, lsum, acc, pages, head, t0, end, plane_stride, scale, HKV: tl.constexpr, D: tl.constexpr,
+        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    ):
+        """One block of cached tokens [t0, t0 + BLOCK_N) below ``end`` folded into the running softmax state
+        (q @ K^T and P @ V on the tensor cores, P rounded to the model dtype as flashinfer's kernel does)."""
         t = t0 + tl.arange(0, BLOCK_N)
         t_ok = t < end
         page = tl.load(pages + t // PAGE, mask=t_ok, other=0).to(tl.int64)
-        return t_ok, page * PAGE + t % PAGE
-
-    @triton.jit
-    def _load_kv(head, slots, t_ok, plane_stride, HKV: tl.constexpr, D: tl.constexpr):
-        """One KV head's K and V rows at ``slots`` ([BLOCK_N, D] each; masked rows read nothing)."""
-        row = head + slots[:, None] * (HKV * D)
-        k = tl.load(row, mask=t_ok[:, None], other=0.0)
-        v = tl.load(row + plane_stride, mask=t_ok[:, None], other=0.0)
-        return k, v
-
-    @triton.jit
-    def _fold_block(q, m, lsum, acc, k, v, t_ok, scale, INTERPRET: tl.constexpr):
-        """One block of cached tokens folded into the running softmax state (q @ K^T and P @ V on the tensor
-        cores, P rounded to the model dtype as flashinfer's kernel does)."""
+        slot = head + ((page * PAGE) + t % PAGE)[:, None] * (HKV * D)
+        k = tl.load(slot, mask=t_ok[:, None], other=0.0)
+        v = tl.load(slot + plane_stride, mask=t_ok[:, None], other=0.0)
         if INTERPRET:  # the interpreter's bf16 products are wrong: float32 operands, same rounding of P
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
         else:
@@ -138,15 +131,13 @@ if triton is not None:
         if INTERPRET:  # the interpreter cannot range over a runtime bound
             t0 = start
             while t0 < cached_end:
-                ok, slots = _block_slots(pages, t0, cached_end, PAGE, BLOCK_N)
-                k_blk, v_blk = _load_kv(head, slots, ok, plane_stride, HKV, D)
-                m, lsum, acc = _fold_block(q, m, lsum, acc, k_blk, v_blk, ok, scale, INTERPRET)
+                m, lsum, acc = _attend_block(q, m, lsum, acc, pages, head, t0, cached_end, plane_stride, scale, HKV, D,
+                                             PAGE, BLOCK_N, INTERPRET)
                 t0 += BLOCK_N
         else:  # a for loop over a trip count known on the device: Triton pipelines its loads (num_stages)
             for i in range(0, tl.cdiv(cached_end - start, BLOCK_N)):
-                ok, slots = _block_slots(pages, start + i * BLOCK_N, cached_end, PAGE, BLOCK_N)
-                k_blk, v_blk = _load_kv(head, slots, ok, plane_stride, HKV, D)
-                m, lsum, acc = _fold_block(q, m, lsum, acc, k_blk, v_blk, ok, scale, INTERPRET)
+                m, lsum, acc = _attend_block(q, m, lsum, acc, pages, head, start + i * BLOCK_N, cached_end,
+                                             plane_stride, scale, HKV, D, PAGE, BLOCK_N, INTERPRET)
         if CHUNKS_P2 == 1:
             out = out_ptr + b.to(tl.int64) * (HQ * D) + (h * GROUP + g)[:, None] * D + dims[None, :]
             tl.store(out, (acc / lsum[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
