@@ -1,8 +1,8 @@
 """Residual add + RMSNorm in one Triton kernel (GPU), HF's numerics.
 
 flashinfer's fused add + RMSNorm runs twice a layer and is latency-bound at a decode step's few rows:
-1.77 us a call at SmolLM2's 256 x 576 inside a CUDA graph, against 1.15 here (benchmarks/README.md,
-eleventh session on issue 13). Here one program takes one or four whole rows (the hidden size padded to a
+1.77 us a call at SmolLM2's 256 x 576 inside a CUDA graph, against 1.15 here (benchmarks/HISTORY.md). Here
+one program takes one or four whole rows (the hidden size padded to a
 power of two), and on Hopper it launches with programmatic dependent launch like ``models/gemv.py``: it
 waits for its predecessor (``gdc_wait``) before touching memory, so its launch overlaps the previous
 kernel's tail.

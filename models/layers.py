@@ -8,6 +8,7 @@ only the rows or columns it owns.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -16,6 +17,8 @@ from torch import nn
 
 from models.ops import TORCH_KERNELS, Kernels
 from parallel import all_gather_last_dim, all_reduce, get_tp, linear_all_reduce
+
+LinearFn = Callable[..., torch.Tensor]  # F.linear's signature: (x, weight, bias=None)
 
 
 class SliceSource(Protocol):
@@ -103,8 +106,12 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Local logits of this rank's vocab shard, all-gathered to the full vocab."""
 
+    def __init__(self, vocab_size: int, dim: int, linear: LinearFn = F.linear) -> None:
+        super().__init__(vocab_size, dim)
+        self.linear_fn = linear
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.weight)
+        logits = self.linear_fn(x, self.weight)
         if get_tp().size == 1:
             return logits
         return all_gather_last_dim(logits)[..., : self.vocab_size]
@@ -113,8 +120,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 class ColumnParallelLinear(nn.Module):
     """Output features split over ranks; no communication."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, linear: LinearFn = F.linear) -> None:
         super().__init__()
+        self.linear_fn = linear
         out_local = divide(out_features, get_tp().size, "output features")
         self.weight = _new_param(out_local, in_features, loader=self._load)
         self.bias = _new_param(out_local, loader=self._load) if bias else None
@@ -123,14 +131,14 @@ class ColumnParallelLinear(nn.Module):
         _shard_rows(param, source)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.linear_fn(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections fused along the output (gate and up)."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool) -> None:
-        super().__init__(in_features, sum(out_sizes), bias)
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, linear: LinearFn = F.linear) -> None:
+        super().__init__(in_features, sum(out_sizes), bias, linear)
         tp = get_tp().size
         self.local_sizes = [divide(n, tp, "output features") for n in out_sizes]
 
@@ -149,7 +157,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     ``tp / num_kv_heads`` consecutive ranks (needs tp to be a multiple of them).
     """
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 linear: LinearFn = F.linear) -> None:
         tp = get_tp()
         self.num_heads = divide(num_heads, tp.size, "num_attention_heads")
         if num_kv_heads >= tp.size:
@@ -164,7 +173,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.kv_head_start = tp.rank // (tp.size // num_kv_heads)
         self.head_dim = head_dim
         local_out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        super().__init__(hidden, local_out * tp.size, bias)
+        super().__init__(hidden, local_out * tp.size, bias, linear)
 
     def _load(self, param: torch.Tensor, source: SliceSource, shard_id: Any = None) -> None:
         d = self.head_dim
@@ -180,8 +189,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """Input features split over ranks; partial sums all-reduced, then the bias added once."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, linear: LinearFn = F.linear) -> None:
         super().__init__()
+        self.linear_fn = linear
         in_local = divide(in_features, get_tp().size, "input features")
         self.weight = _new_param(out_features, in_local, loader=self._load)
         self.bias = _new_param(out_features, loader=load_replicated) if bias else None
@@ -190,7 +200,10 @@ class RowParallelLinear(nn.Module):
         _shard_cols(param, source)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear_all_reduce(x, self.weight)
+        if self.linear_fn is F.linear:
+            out = linear_all_reduce(x, self.weight)  # may write the GEMM straight into the all-reduce's buffer
+        else:
+            out = all_reduce(self.linear_fn(x, self.weight))
         return out if self.bias is None else out + self.bias
 
 

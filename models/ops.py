@@ -76,6 +76,8 @@ class Kernels:
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    # Every projection and the LM head: F.linear, or a batch-invariant GEMM (engine.deterministic).
+    linear: Callable[..., torch.Tensor] = F.linear
     # Single-token steps run each decoder layer as four fused GEMVs (models/gemv.py: Triton, TP=1).
     fused_gemv: bool = False
 

@@ -8,6 +8,7 @@ batch from a broadcast without any ``Req`` objects.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict
 
@@ -33,10 +34,13 @@ def _splitmix(x: int) -> int:
     return (x ^ (x >> 31)) >> 1
 
 
-def unseeded_key(run_seed: int, uid: int) -> int:
-    """The RNG key of a request without a seed: a splitmix64 hash of (run seed, request id), so it does
-    not collide with small user seeds (``seed=3`` and request 3 must not draw the same noise)."""
-    return _splitmix(run_seed * 0x9E3779B97F4A7C15 + uid + 0x632BE59BD9B4E019)
+def unseeded_key(run_seed: int, key: object) -> int:
+    """The seed of a request without one: a hash of (run seed, the caller's key for the row: a job row's id, a
+    prompt's index in its call). It names the row, not the request counter, the replica or the batch, so a
+    row draws the same tokens at any data-parallel size, in any input order and after a resume; and it does
+    not collide with small user seeds (``seed=3`` and row 3 must not draw the same noise)."""
+    digest = int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little")
+    return _splitmix(run_seed * 0x9E3779B97F4A7C15 + digest + 0x632BE59BD9B4E019)
 
 
 def sample_seed(seed: int, sample_index: int) -> int:
@@ -54,7 +58,7 @@ class Req:
     prompt_ids: list[int]
     sampling: SamplingParams
     max_new_tokens: int  # after clamping to the maximum sequence length
-    run_seed: int = 0  # engine.seed: unseeded requests draw from (run_seed, uid)
+    stream: int = 0  # the seed of an unseeded request (``unseeded_key``); a request's own seed wins
     index: int = -1  # position in the caller's input list (results come back in input order)
     table_idx: int = -1  # row of the page table and token pool while admitted
     pages: list[int] = field(default_factory=list)
@@ -66,7 +70,7 @@ class Req:
     finish_reason: str | None = None
     text: str | None = None  # set when a stop string cut the text; otherwise decoded at the end
     detok: Any = None  # incremental detokenizer, only for requests with stop strings
-    sampling_row: tuple = ()  # (temperature, top_k, top_p, seed, seeded), fixed for the request's life
+    sampling_row: tuple = ()  # (temperature, top_k, top_p, seed), fixed for the request's life
     # n > 1: sample i of a prompt is a request of its own; the siblings (i > 0) point at sample 0.
     sample_index: int = 0
     leader: Req | None = None  # sample 0, whose prompt KV the siblings wait for in the prefix cache
@@ -80,13 +84,10 @@ class Req:
     def __post_init__(self) -> None:
         self.device_len = len(self.prompt_ids)
         p = self.sampling
-        if p.seed is not None:
-            seed = sample_seed(p.seed, self.sample_index)
-        else:  # siblings have uids of their own, hence streams of their own
-            seed = unseeded_key(self.run_seed, self.uid)
+        seed = sample_seed(p.seed if p.seed is not None else self.stream, self.sample_index)
         temperature = 0.0 if p.is_greedy else p.temperature
         top_k = p.top_k if 0 < p.top_k < 2**31 else -1  # beyond int32 it cannot restrict any vocabulary
-        self.sampling_row = (temperature, top_k, p.top_p, seed, p.seed is not None)
+        self.sampling_row = (temperature, top_k, p.top_p, seed)
         prompt_k = p.prompt_logprobs if self.sample_index == 0 and p.prompt_logprobs is not None else -1
         self.logprob_ks = (-1 if p.logprobs is None else p.logprobs, prompt_k)
         if p.logprobs is not None:
@@ -105,13 +106,13 @@ class Req:
 
     def make_sibling(self, uid: int, sample_index: int) -> Req:
         """Sample ``sample_index`` (>= 1) of this request's prompt: same prompt, parameters and input index,
-        its own ``uid`` (unseeded sampling draws from (run seed, uid)) and, when seeded, its own derived seed.
+        its own ``uid`` and its own seed derived from the prompt's (``sample_seed``).
 
         Add it to the scheduler after this request: with the radix cache it is admitted only once this
         request's prompt KV is cached, and then computes just the prompt's last partial page.
         """
         assert self.sample_index == 0 and sample_index >= 1, "siblings hang off sample 0"
-        sibling = Req(uid, self.prompt_ids, self.sampling, self.max_new_tokens, run_seed=self.run_seed,
+        sibling = Req(uid, self.prompt_ids, self.sampling, self.max_new_tokens, stream=self.stream,
                       index=self.index, sample_index=sample_index, leader=self)
         if self.detok is not None:  # stop strings: each sample detokenizes its own text
             sibling.detok = type(self.detok)(self.detok.tokenizer)
@@ -157,8 +158,7 @@ class Batch:
     temperature: np.ndarray  # float32 [B], 0 = greedy
     top_k: np.ndarray  # int32 [B], <= 0 disables
     top_p: np.ndarray  # float32 [B]
-    seeds: np.ndarray  # int64 [B]: counter-RNG seed for each request
-    seeded: np.ndarray  # bool [B]: the request asked for a seed (must not depend on batching)
+    seeds: np.ndarray  # int64 [B]: each request's noise seed (runtime.engine.sampler)
     # Newly admitted requests: their rows, prompt tokens and KV pages, written before the step.
     admit_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     admit_token_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))

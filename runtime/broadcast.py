@@ -15,7 +15,7 @@ from parallel.state import get_cpu_group
 from runtime.batch import Batch
 
 STOP, IDLE, PREFILL, DECODE = 0, 1, 2, 3
-_INT_FIELDS = ("rows", "starts", "ext_lens", "sample_rows", "top_k", "seeds", "seeded")
+_INT_FIELDS = ("rows", "starts", "ext_lens", "sample_rows", "top_k", "seeds")
 _FLOAT_FIELDS = ("temperature", "top_p")
 _ADMIT_FIELDS = ("admit_rows", "admit_token_lens", "admit_tokens", "admit_page_lens", "admit_pages")
 # Per-row arrays that only some steps carry; header[5] has bit i set when _OPTIONAL_FIELDS[i] travels.
@@ -59,7 +59,6 @@ def recv_batch() -> Batch | int:
     values: dict = {}
     for name, arr in zip(_INT_FIELDS, arrays):
         values[name] = arr.astype(np.int64 if name == "seeds" else np.int32)
-    values["seeded"] = values["seeded"].astype(bool)
     for name, arr in zip(_FLOAT_FIELDS, arrays[len(_INT_FIELDS) :]):
         values[name] = arr.astype(np.int32).view(np.float32)
     for name, arr in zip(_ADMIT_FIELDS, arrays[len(_INT_FIELDS) + len(_FLOAT_FIELDS) :]):

@@ -68,6 +68,12 @@ class EngineSection:
     # width, 135M to 8B (models/gemv.py); never keeps cuBLAS and the separate norms.
     fused_gemv: str = "auto"
     seed: int = 0
+    # Batch-invariant kernels: a row's tokens are the same bits alone or among any other rows, at any
+    # max_running_requests, DP size, input order or prefill chunking, and after a resume (for one TP size and
+    # GPU type). GEMMs whose cuBLAS kernel would change with the row count run on a Triton GEMM, decode
+    # attention always on paged_decode with one chunk size, prefill attention without split-KV, and no fused
+    # single-token GEMVs. Costs are in benchmarks/README.md.
+    deterministic: bool = False
 
 
 @dataclass

@@ -27,6 +27,7 @@ class BenchSection:
     seed: int = 0
     n: int = 1  # samples per prompt (run tpinfer_n8: 8 samples of 32 prompts, one shared prefill each)
     logprobs: int | None = None  # top-k logprobs on every row (run tpinfer_logprobs5)
+    seeded: bool = False  # every request carries its own seed (run tpinfer_seeded)
     peers: list[str] = field(default_factory=lambda: ["hf_continuous", "hf_static"])  # run on the fixed variant
     peer_requests: int = 256  # requests given to the (slow) HF peers
     ablations: list[str] = field(default_factory=lambda: ["no_graphs", "no_overlap"])

@@ -39,6 +39,8 @@ RUNS = {
     "tpinfer_no_overlap": ({"scheduler__overlap": False}, False),
     "tpinfer_nccl": ({"parallel__all_reduce": "nccl"}, False),  # TP > 1: every all-reduce through NCCL
     "tpinfer_fixed": ({}, True),
+    "tpinfer_deterministic": ({"engine__deterministic": True}, False),  # batch-invariant kernels
+    "tpinfer_seeded": ({"bench__seeded": True}, False),  # every request with a seed of its own
     # Evals and RL: 8 samples of each of 32 prompts at temperature 1 (as many sequences as the base
     # run); logprobs with the top 5 alternatives on every row of the base workload.
     "tpinfer_n8": ({"bench__n": 8, "bench__num_requests": 32, "bench__temperature": 1.0}, False),
@@ -63,10 +65,13 @@ def run_one(name: str, args: argparse.Namespace) -> dict | None:
 
     if name == "limits":
         return measure_limits(torch.device("cuda"))
-    if name in ("batch1_decode", "batch1_decode_unfused", "batch1_decode_flashinfer"):
+    if name in ("batch1_decode", "batch1_decode_unfused", "batch1_decode_flashinfer", "batch1_decode_deterministic"):
         # _unfused: the same steps without the fused single-token GEMV layers (models/gemv.py);
-        # _flashinfer: with RoPE + flashinfer's decode + merge instead of split_decode.py in the graphs.
+        # _flashinfer: with RoPE + flashinfer's decode + merge instead of split_decode.py in the graphs;
+        # _deterministic: engine.deterministic's batch-invariant kernels.
         fused = {"engine__fused_gemv": "never"} if name == "batch1_decode_unfused" else {}
+        if name == "batch1_decode_deterministic":
+            fused = {"engine__deterministic": True}
         if name == "batch1_decode_flashinfer":
             from runtime.engine.attention import flashinfer_backend
 

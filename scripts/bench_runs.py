@@ -120,12 +120,23 @@ class StepTimer:
 
     def summary(self) -> dict[str, float]:
         torch.cuda.synchronize()
-        busy = idle = 0.0
-        for (s0, e0, d0), (s1, _, d1) in zip(self.events, self.events[1:]):
-            if d0 and d1:
-                busy += s0.elapsed_time(e0)
-                idle += max(e0.elapsed_time(s1), 0.0)
-        return {"decode_idle_share": idle / max(busy + idle, 1e-9), "decode_busy_ms": busy, "decode_idle_ms": idle}
+        if not self.events:
+            return decode_idle([])
+        origin = self.events[0][0]
+        return decode_idle([(origin.elapsed_time(s), origin.elapsed_time(e), d) for s, e, d in self.events])
+
+
+def decode_idle(steps: list[tuple[float, float, bool]]) -> dict[str, float]:
+    """Steps as (start ms, end ms, is decode): over each two decode steps in a row, the first one's GPU time
+    (busy) and the gap before the second (idle), and idle's share of busy + idle. Each term is clamped at 0,
+    so the share is in [0, 1] even for steps timed out of order."""
+    busy = idle = 0.0
+    for (s0, e0, d0), (s1, _, d1) in zip(steps, steps[1:]):
+        if d0 and d1:
+            busy += max(e0 - s0, 0.0)
+            idle += max(s1 - e0, 0.0)
+    share = idle / (busy + idle) if busy + idle > 0 else 0.0
+    return {"decode_idle_share": share, "decode_busy_ms": busy, "decode_idle_ms": idle}
 
 
 def run_tpinfer(cfg: BenchConfig, fixed: bool | str, limits: dict[str, float] | None) -> dict:
@@ -134,8 +145,8 @@ def run_tpinfer(cfg: BenchConfig, fixed: bool | str, limits: dict[str, float] | 
     llm = LLM(config=cfg)
     prompts, outs = workload(cfg, fixed)
     b = cfg.bench
-    params = [SamplingParams(temperature=b.temperature, max_new_tokens=n, ignore_eos=True, n=b.n, logprobs=b.logprobs)
-              for n in outs]
+    params = [SamplingParams(temperature=b.temperature, max_new_tokens=n, ignore_eos=True, n=b.n, logprobs=b.logprobs,
+                             seed=i if b.seeded else None) for i, n in enumerate(outs)]
     # Warm-up (kernel loads, allocator growth); shifted ids, so it does not seed the prefix cache.
     warm = [[(t + 1) % cfg.bench.token_id_limit for t in p] for p in prompts[:8]]
     llm.generate(warm, [SamplingParams(temperature=cfg.bench.temperature, max_new_tokens=16, ignore_eos=True)] * 8)

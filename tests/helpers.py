@@ -65,7 +65,6 @@ def _teacher_forced(
             phase="decode" if decoding else "prefill", rows=rows[live], starts=start[live].copy(), ext_lens=ext,
             sample_rows=np.full(n, engine.dummy_row, np.int32), temperature=np.zeros(n, np.float32),
             top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32), seeds=np.zeros(n, np.int64),
-            seeded=np.zeros(n, bool),
         )
         if first:
             batch.admit_rows = rows

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from runtime import LLM, SamplingParams
-from runtime.batch import Req
+from runtime.batch import Req, unseeded_key
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,8 @@ def test_sampling_params_as_a_dict(tiny_llm):
 
 def test_unseeded_keys_do_not_collide_with_small_user_seeds():
     seeded = {Req(0, [1], SamplingParams(seed=s), 1).sampling_row[3] for s in range(1000)}
-    unseeded = {Req(uid, [1], SamplingParams(), 1, run_seed=run).sampling_row[3] for uid in range(1000) for run in (0, 1)}
+    unseeded = {Req(uid, [1], SamplingParams(), 1, stream=unseeded_key(run, uid)).sampling_row[3]
+                for uid in range(1000) for run in (0, 1)}
     assert not seeded & unseeded and len(unseeded) == 2000
     assert all(0 <= k < 2**63 for k in unseeded)
 

@@ -260,12 +260,12 @@ def test_sampling_params_from_dict():
 
 
 def schedule_one(params: SamplingParams, run_seed: int = 0):
-    from runtime.batch import Req
+    from runtime.batch import Req, unseeded_key
     from runtime.config import SchedulerSection
     from runtime.scheduler import Scheduler
 
     sched = Scheduler(SchedulerSection(), num_pages=16, page_size=16, max_seq_len=128, dummy_row=255)
-    sched.add(Req(0, [1, 2, 3], params, 4, run_seed=run_seed))
+    sched.add(Req(0, [1, 2, 3], params, 4, stream=unseeded_key(run_seed, 0)))
     return sched.schedule()
 
 
@@ -281,7 +281,7 @@ def test_sampling_limits_are_refused_at_validation_or_fit_the_batch():
 
 
 def test_accepted_engine_seed_can_be_scheduled():
-    """Unseeded requests hash (engine.seed, uid) into an int64 key: the largest accepted engine.seed schedules,
+    """Unseeded requests hash (engine.seed, the row's key) into an int64 seed: the largest accepted engine.seed schedules,
     and the next one is refused at load."""
     with pytest.raises(ConfigError, match="engine.seed"):
         load_config([], [f"engine.seed={2**31}"])

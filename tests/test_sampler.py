@@ -1,4 +1,4 @@
-"""Sampler tests on CPU (the torch / counter-RNG path).
+"""Sampler tests on CPU (the torch reference, and the Triton kernels under Triton's interpreter).
 
 Every "allowed set" (top-k, nucleus, greedy) is computed here independently in
 float64 with numpy; the code under test is only ever asked for draws.
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from runtime.batch import Batch
-from runtime.engine.sampler import Sampler, counter_uniform, filter_top_k_top_p
+from runtime.engine.sampler import Sampler, SamplingArgs, counter_uniform, kept_tokens, sample_torch, top_k_thresholds
 
 CPU = torch.device("cpu")
 MARGIN = 1e-3  # how far (in logit / probability-mass units) a row must be from any set boundary
@@ -22,7 +22,7 @@ MARGIN = 1e-3  # how far (in logit / probability-mass units) a row must be from 
 # ---------------------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------------------
-def make_batch(temperature, top_k, top_p, seeds, positions, seeded=True) -> Batch:
+def make_batch(temperature, top_k, top_p, seeds, positions) -> Batch:
     """A decode batch whose i-th row samples the token at ``positions[i]`` (= kv_len = start + 1)."""
     positions = np.asarray(positions, np.int64)
     n = len(positions)
@@ -41,7 +41,6 @@ def make_batch(temperature, top_k, top_p, seeds, positions, seeded=True) -> Batc
         top_k=full(top_k, np.int32),
         top_p=full(top_p, np.float32),
         seeds=full(seeds, np.int64),
-        seeded=full(seeded, bool),
     )
 
 
@@ -115,7 +114,7 @@ def rng() -> np.random.Generator:
 @pytest.mark.parametrize("k", [1, 2, 5, 17, 63])
 def test_top_k_never_draws_outside_the_k_largest(rng, k):
     vocab, n = 64, 3000
-    sampler = Sampler(vocab, CPU, use_flashinfer=False, seed=0)
+    sampler = Sampler(vocab, CPU, use_kernels=False)
     temps = rng.uniform(0.3, 2.5, n).astype(np.float32)
     rows = [clear_logits(rng, vocab, t, k, 1.0) for t in temps]
     logits = np.stack([r[0] for r in rows])
@@ -138,7 +137,7 @@ def test_top_k_never_draws_outside_the_k_largest(rng, k):
 def test_top_k_disabled_values_keep_the_whole_vocabulary(rng):
     """top_k of -1, 0 or larger than the vocabulary restricts nothing: every token gets drawn on flat logits."""
     vocab, n = 16, 1500
-    sampler = Sampler(vocab, CPU, use_flashinfer=False, seed=0)
+    sampler = Sampler(vocab, CPU, use_kernels=False)
     for k in (-1, 0, vocab, vocab + 7):
         batch = make_batch(1.0, k, 1.0, rng.integers(0, 2**40, n), rng.integers(1, 10**6, n))
         tokens = draw(sampler, np.zeros((n, vocab), np.float32), batch)
@@ -151,7 +150,7 @@ def test_top_k_disabled_values_keep_the_whole_vocabulary(rng):
 @pytest.mark.parametrize("p", [0.2, 0.5, 0.75, 0.9, 0.97])
 def test_top_p_never_draws_outside_the_nucleus(rng, p):
     vocab, n = 48, 2000
-    sampler = Sampler(vocab, CPU, use_flashinfer=False, seed=0)
+    sampler = Sampler(vocab, CPU, use_kernels=False)
     temps = rng.uniform(0.5, 2.0, n).astype(np.float32)
     rows = [clear_logits(rng, vocab, t, -1, p) for t in temps]
     logits = np.stack([r[0] for r in rows])
@@ -169,7 +168,7 @@ def test_top_p_nucleus_is_the_smallest_prefix_reaching_p():
     """A hand-made distribution: probs 0.5, 0.3, 0.15, 0.05 (logits = log probs)."""
     probs = np.array([0.05, 0.5, 0.15, 0.3])
     logits = np.log(probs).astype(np.float32)
-    sampler = Sampler(4, CPU, use_flashinfer=False, seed=0)
+    sampler = Sampler(4, CPU, use_kernels=False)
     n = 4000
     cases = {0.4: {1}, 0.6: {1, 3}, 0.79: {1, 3}, 0.81: {1, 3, 2}, 0.9: {1, 3, 2}, 0.99: {0, 1, 2, 3}}
     for p, nucleus in cases.items():
@@ -183,7 +182,7 @@ def test_top_p_nucleus_is_the_smallest_prefix_reaching_p():
 # ---------------------------------------------------------------------------------------------------------
 def test_near_zero_temperature_is_greedy(rng):
     vocab, n = 100, 4000
-    sampler = Sampler(vocab, CPU, use_flashinfer=False, seed=0)
+    sampler = Sampler(vocab, CPU, use_kernels=False)
     logits = (rng.standard_normal((n, vocab)) * 3).astype(np.float32)
     top2 = np.sort(logits, 1)[:, -2:]
     keep = (top2[:, 1] - top2[:, 0]) > 0.01  # a clear winner: 0.01 / 1e-5 = 1000 nats
@@ -196,7 +195,7 @@ def test_near_zero_temperature_is_greedy(rng):
 
 def test_zero_temperature_is_exact_argmax_including_ties(rng):
     vocab, n = 50, 2000
-    sampler = Sampler(vocab, CPU, use_flashinfer=False, seed=0)
+    sampler = Sampler(vocab, CPU, use_kernels=False)
     logits = rng.integers(-3, 4, (n, vocab)).astype(np.float32)  # many exact ties: argmax = first maximum
     logits[: n // 2] += rng.standard_normal((n // 2, vocab)).astype(np.float32) * 1e-6
     expected = np.argmax(logits, 1)
@@ -216,7 +215,7 @@ def test_zero_temperature_is_exact_argmax_including_ties(rng):
 # ---------------------------------------------------------------------------------------------------------
 def test_seed_and_position_fix_the_token_whatever_the_batch(rng):
     vocab = 40
-    sampler = Sampler(vocab, CPU, use_flashinfer=False, seed=0)
+    sampler = Sampler(vocab, CPU, use_kernels=False)
     n_target = 200
     t_logits = rng.standard_normal((n_target, vocab)).astype(np.float32)
     t_temp = rng.choice([0.7, 1.0, 1.6], n_target)
@@ -231,7 +230,7 @@ def test_seed_and_position_fix_the_token_whatever_the_batch(rng):
     ])
     assert len(set(alone.tolist())) > 5  # not a constant
 
-    # the same rows among other rows with other parameters, shuffled; a fresh sampler with another run seed
+    # the same rows among other rows with other parameters, shuffled; a fresh sampler
     n_other = 300
     logits = np.concatenate([t_logits, rng.standard_normal((n_other, vocab)).astype(np.float32) * 4])
     temp = np.concatenate([t_temp, rng.choice([0.0, 0.3, 1.0, 2.0], n_other)])
@@ -240,7 +239,7 @@ def test_seed_and_position_fix_the_token_whatever_the_batch(rng):
     seed = np.concatenate([t_seed, rng.integers(0, 2**40, n_other)])
     pos = np.concatenate([t_pos, rng.integers(1, 10**5, n_other)])
     perm = rng.permutation(len(logits))
-    other_sampler = Sampler(vocab, CPU, use_flashinfer=False, seed=987)
+    other_sampler = Sampler(vocab, CPU, use_kernels=False)
     tokens = draw(other_sampler, logits[perm], make_batch(temp[perm], k[perm], p[perm], seed[perm], pos[perm]))
     back = np.empty_like(tokens)
     back[perm] = tokens
@@ -252,7 +251,7 @@ def test_seed_and_position_fix_the_token_whatever_the_batch(rng):
 
 def test_different_seeds_give_different_sequences_on_a_flat_distribution():
     vocab, steps, n_seeds = 1000, 32, 20
-    sampler = Sampler(vocab, CPU, use_flashinfer=False, seed=0)
+    sampler = Sampler(vocab, CPU, use_kernels=False)
     seeds = np.repeat(np.arange(n_seeds), steps)
     positions = np.tile(np.arange(1, steps + 1), n_seeds)
     tokens = draw(sampler, np.zeros((len(seeds), vocab), np.float32), make_batch(1.0, -1, 1.0, seeds, positions))
@@ -270,7 +269,7 @@ def test_different_seeds_give_different_sequences_on_a_flat_distribution():
 # ---------------------------------------------------------------------------------------------------------
 def test_mixed_parameters_in_one_batch_are_each_honoured(rng):
     vocab = 64
-    sampler = Sampler(vocab, CPU, use_flashinfer=False, seed=0)
+    sampler = Sampler(vocab, CPU, use_kernels=False)
     kinds = [  # (name, temperature, top_k, top_p)
         ("greedy", 0.0, 7, 0.3),
         ("top_k_1", 1.5, 1, 1.0),
@@ -328,7 +327,7 @@ def test_empirical_distribution_matches_softmax(temperature, top_k):
         cut = np.sort(expected)[-top_k]
         expected = np.where(expected >= cut, expected, 0.0)
         expected /= expected.sum()
-    sampler = Sampler(vocab, CPU, use_flashinfer=False, seed=0)
+    sampler = Sampler(vocab, CPU, use_kernels=False)
     # one request seed, 20k consecutive positions: what a long generation sees
     batch = make_batch(temperature, top_k, 1.0, 42, np.arange(1, n + 1))
     counts = np.bincount(draw(sampler, np.tile(logits, (n, 1)), batch), minlength=vocab)
@@ -375,26 +374,25 @@ def test_counter_uniform_is_a_pure_function_of_seed_position_token(rng):
         assert (a[0] != a[i]).float().mean() > 0.99
 
 
-def test_counter_uniform_strictly_below_one_at_the_top_24_bit_value():
-    """(seed 34, position 6176, token 4) is where the 24-bit integer is 2**24 - 1 (found by brute-force search).
-
-    (2**24 - 1) + 0.5 is not representable in float32 and rounds to 2**24, so the value is exactly 1.0
-    unless the conversion is done differently. About one value in 2**24 is affected.
-    """
-    u = counter_uniform(torch.tensor([34, 5]), torch.tensor([6176, 39]), 13710)
-    assert u[0, 4].item() < 1.0
-    assert u[1, 13709].item() < 1.0  # a second witness: seed 5, position 39, token 13709
+def test_counter_uniform_strictly_below_one_at_the_largest_value():
+    """(seed 1, position 7, token 288228) is where the 23-bit integer is 2**23 - 1 (found by brute-force
+    search): (2**23 - 1 + 0.5) / 2**23 is exact in float32 and below 1, so -log(u) stays positive."""
+    u = counter_uniform(torch.tensor([1]), torch.tensor([7]), 288229)
+    assert u[0, 288228].item() == (2**23 - 0.5) / 2**23 < 1.0
 
 
 def test_zero_probability_token_is_never_drawn_even_under_extreme_noise():
-    """At (seed 34, position 6176) token 4 gets the largest possible noise draw; it must still not be chosen
-    when top-k, top-p or a near-zero temperature give it probability 0."""
-    logits = np.array([5.0, 4.0, 3.0, 2.0, -50.0, 1.0, 0.0, -1.0], np.float32)
-    sampler = Sampler(8, CPU, use_flashinfer=False, seed=0)
+    """At (seed 1, position 7) token 4 of a vocabulary laid over token 288228 gets the largest noise draw; it
+    must still not be chosen when top-k, top-p or a near-zero temperature give it probability 0."""
+    vocab = 288229
+    logits = np.full(vocab, -80.0, np.float32)
+    logits[:8] = [5.0, 4.0, 3.0, 2.0, -50.0, 1.0, 0.0, -1.0]
+    logits[[4, 288228]] = logits[[288228, 4]]  # the weak token sits where the noise is largest
+    sampler = Sampler(vocab, CPU, use_kernels=False)
     cases = [(1.0, 2, 1.0), (1e-5, -1, 1.0), (1.0, -1, 0.5), (1.0, 3, 0.9)]
     temps, ks, ps = zip(*cases)
     n = len(cases)
-    batch = make_batch(np.array(temps), np.array(ks), np.array(ps), np.full(n, 34), np.full(n, 6176))
+    batch = make_batch(np.array(temps), np.array(ks), np.array(ps), np.full(n, 1), np.full(n, 7))
     tokens = draw(sampler, np.tile(logits, (n, 1)), batch)
     bad = []
     for (t, k, p), tok in zip(cases, tokens):
@@ -405,37 +403,57 @@ def test_zero_probability_token_is_never_drawn_even_under_extreme_noise():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# filter_top_k_top_p against a float64 reference
+# kept_tokens against a float64 reference; the Triton kernels against the torch reference
 # ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["top_k", "top_p", "both"])
-def test_filter_top_k_top_p_matches_float64_reference(rng, mode):
+def test_kept_tokens_match_float64_reference(rng, mode):
     vocab, n = 32, 1500
-    probs_list, ks, ps, masks = [], [], [], []
-    while len(probs_list) < n:
-        logits = rng.standard_normal(vocab) * rng.uniform(0.5, 3.0)
-        probs = softmax64(logits, 1.0).astype(np.float32)
+    logits_list, ks, ps, masks = [], [], [], []
+    while len(logits_list) < n:
+        logits = (rng.standard_normal(vocab) * rng.uniform(0.5, 3.0)).astype(np.float32)
         k = int(rng.integers(1, vocab + 1)) if mode != "top_p" else vocab
         p = float(np.float32(rng.uniform(0.05, 1.0))) if mode != "top_k" else 1.0
-        mask, clear = reference_keep(probs.astype(np.float64), k, p)
+        mask, clear = reference_keep(softmax64(logits, 1.0), k, p)
         if clear:
-            probs_list.append(probs)
-            ks.append(k)
+            logits_list.append(logits)
+            ks.append(k if k < vocab else 0)
             ps.append(p)
             masks.append(mask)
-    probs = torch.from_numpy(np.stack(probs_list))
-    top_k = torch.tensor(ks, dtype=torch.int64) if mode != "top_p" else None
+    x = torch.from_numpy(np.stack(logits_list))
+    top_k = torch.tensor(ks, dtype=torch.int64)
+    thresholds = top_k_thresholds(x, top_k, int(top_k.max())) if mode != "top_p" else None
     top_p = torch.tensor(ps, dtype=torch.float32) if mode != "top_k" else None
-    out = filter_top_k_top_p(probs.clone(), top_k, top_p).numpy()
+    kept = kept_tokens(x, torch.ones(n), thresholds, top_p).numpy()
     masks = np.stack(masks)
-    np.testing.assert_array_equal(out > 0, masks)
-    # surviving entries keep their original probability; the rest are exactly 0
-    np.testing.assert_array_equal(out[masks], probs.numpy()[masks])
-    assert (out[~masks] == 0).all()
+    np.testing.assert_array_equal(kept, masks)
     assert masks.sum(1).min() >= 1 and (masks.sum(1) > 1).mean() > 0.5
 
 
-def test_filter_top_k_top_p_without_filters_is_identity(rng):
-    probs = torch.from_numpy(softmax64(rng.standard_normal((4, 10)), 1.0).astype(np.float32))
-    np.testing.assert_array_equal(filter_top_k_top_p(probs, None, None).numpy(), probs.numpy())
-    everything = filter_top_k_top_p(probs, torch.full((4,), 10), torch.ones(4))
-    assert (everything.numpy() > 0).sum(1).min() >= 9  # top_p = 1 keeps (essentially) every token
+def test_kept_tokens_without_filters_keep_everything_and_ties_stay_together():
+    x = torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0]])
+    assert kept_tokens(x, torch.ones(2), None, None).all()
+    # the two tied leaders hold most of the mass: a top_p below one of them still keeps both
+    kept = kept_tokens(x, torch.ones(2), None, torch.tensor([0.1, 0.1]))
+    assert kept.tolist() == [[False, True, True, False], [True, True, True, True]]
+
+
+def test_triton_kernels_draw_what_the_torch_reference_draws(monkeypatch):
+    """The GPU kernels, run by Triton's interpreter on CPU, against ``sample_torch`` on the same float32
+    logits: greedy, temperature, top-k, top-p and both, over several vocab blocks (the top-p walk included)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from runtime.engine import gumbel
+
+    gen = torch.Generator().manual_seed(0)
+    rows, vocab = 12, 9000  # three blocks of 4096
+    x = torch.randn(rows, vocab, generator=gen) * 2
+    temps = torch.tensor([0, 0.5, 1, 1, 1.3, 0.7, 1, 1, 1, 2, 0.9, 1.0])
+    top_k = torch.tensor([0, 0, 5, 0, 50, 0, 0, 3, 0, 100, 0, 1])
+    top_p = torch.tensor([1, 1, 1, 0.9, 1, 0.5, 0.99, 0.8, 0.3, 0.95, 1, 1.0])
+    seeds = torch.arange(rows, dtype=torch.int64) * 1234567891011
+    positions = torch.arange(rows, dtype=torch.int64) + 77
+    max_k = int(top_k.max())
+    reference = sample_torch(x, SamplingArgs(temps, top_p, top_k, max_k, seeds, positions))
+    tokens = gumbel.sample(x, temps, top_k_thresholds(x, top_k, max_k), top_p, seeds, positions)
+    assert tokens.tolist() == reference.tolist()
+    assert len(set(tokens.tolist())) > 8  # really different draws, not one token

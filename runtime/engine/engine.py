@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models import add_norm, gemv
+from models import add_norm, gemv, invariant_linear
 from models.config import ModelConfig
 from models.context import ForwardContext
 from models.ops import FLASHINFER_KERNELS, TORCH_KERNELS
@@ -26,6 +26,7 @@ from models.weights.default_model import resolve_model_path
 from models.weights.loader import load_model
 from parallel.custom_all_reduce import make_custom_all_reduce
 from parallel.distributed import agree_on_memory
+from parallel.ordered_all_reduce import OrderedAllReduce
 from parallel.state import assert_same_on_all_ranks, get_cpu_group, get_device_group, get_tp, set_custom_all_reduce
 from runtime.batch import Batch
 from runtime.config import RuntimeConfig
@@ -88,9 +89,11 @@ class Engine:
         # The fused single-token layers pay inside CUDA graphs only (eagerly, the 1B step took 5.7 ms
         # against 4.7: Triton's launch overhead on the host).
         # auto fuses wherever it can: faster at every measured width (135M to 8B shapes, benchmarks/README.md).
-        fused = cfg.engine.fused_gemv != "never"
+        fused = cfg.engine.fused_gemv != "never" and not cfg.engine.deterministic
         if fused and triton_gpu and self.tp_size == 1 and cfg.engine.cuda_graph_max_bs > 0:
             kernels = dataclasses.replace(kernels, fused_gemv=True)
+        if cfg.engine.deterministic:
+            kernels = dataclasses.replace(kernels, linear=self._invariant_linear(on_gpu))
         free_before = self._free_memory()
         self.model = load_model(
             model_dir, model_config, self.device, self.dtype, self.max_seq_len + 1,
@@ -113,11 +116,19 @@ class Engine:
         self.token_pool = torch.zeros(rows, self.max_seq_len + 1, dtype=torch.int32, device=self.device)
         self.attn_backend = make_attention_backend(
             cfg.engine.attention_backend, self.kv_cache, self.page_table, heads.num_heads, heads.num_kv_heads,
-            model_config.head_dim, self.dtype,
+            model_config.head_dim, self.dtype, cfg.engine.deterministic,
         )
         self.ctx = ForwardContext(self.attn_backend)
-        self.sampler = Sampler(model_config.vocab_size, self.device, use_fi, cfg.engine.seed)
+        self.sampler = Sampler(model_config.vocab_size, self.device, use_kernels=on_gpu)
         self._setup_collectives_and_graphs()
+
+    def _invariant_linear(self, on_gpu: bool):  # noqa: ANN202 - a linear function
+        """engine.deterministic's GEMM: blocks of one row count on CPU; on GPUs the Triton GEMM's bits."""
+        if not on_gpu:
+            return invariant_linear.cpu_linear
+        if invariant_linear.triton is None:
+            raise RuntimeError("engine.deterministic=true on a GPU needs Triton (pip install triton)")
+        return invariant_linear.BatchInvariantLinear()
 
     def _setup_collectives_and_graphs(self) -> None:
         """The custom all-reduce first (the graphs capture it), then the decode CUDA graphs."""
@@ -127,12 +138,14 @@ class Engine:
             cfg.parallel.all_reduce, get_device_group(), get_cpu_group(), self.tp_size, self.device, self.dtype,
             decode_tokens * self.model_config.hidden_size * self.dtype.itemsize,
         )
+        if cfg.engine.deterministic and self.tp_size > 1:  # every size summed in rank order (no NCCL algorithm choice)
+            self.custom_all_reduce = OrderedAllReduce(get_device_group(), self.tp_size)
         set_custom_all_reduce(self.custom_all_reduce)
         if self.stream is not None:
             # The weights, KV cache, page table and token pool were filled on the default stream; the engine
             # stream runs the graph warm-ups and every step. Without this wait a new engine's first gather
             # from the page table could run before its fill and read the block's previous contents (a
-            # dropped engine's data) as page ids: an illegal memory access (issue 12).
+            # dropped engine's data) as page ids: an illegal memory access.
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.check_tokens = cfg.parallel.check_tokens and self.tp_size > 1
         self.graph_runner = None

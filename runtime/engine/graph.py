@@ -121,7 +121,7 @@ class GraphRunner:
         batch = Batch(
             phase="decode" if decode else "prefill", rows=np.full(reqs, e.dummy_row, np.int32), starts=zeros,
             ext_lens=ext, sample_rows=np.full(reqs, e.dummy_row, np.int32), temperature=np.zeros(reqs, np.float32),
-            top_k=zeros, top_p=np.ones(reqs, np.float32), seeds=np.zeros(reqs, np.int64), seeded=np.zeros(reqs, bool),
+            top_k=zeros, top_p=np.ones(reqs, np.float32), seeds=np.zeros(reqs, np.int64),
         )
         batch.padded_size = size
         # The graph's inputs are its static buffers.

@@ -1,84 +1,157 @@
-"""Temperature sampling in one pass over the logits (GPU): Gumbel-max in a small Triton kernel.
+"""The GPU sampler: counter-keyed Gumbel-max over the logits in two Triton kernels.
 
-argmax_j(logit_j / T + G_j), G_j = -log(-log(U_j)), draws token j with probability softmax(logits / T)_j.
-The kernel reads the logits in the model's dtype once (bf16: half the bytes of float32) and writes one
-token per row; flashinfer's samplers take float32 logits, so their path is a conversion pass (with the
-temperature) and a draw: 143 + 94 us against one pass here for 256 rows of 128k logits on the H200.
-The logarithms use the hardware's approximate log2: 48 against 105 us with the precise ones (the same
-256 rows, the seed draw and the final argmax included).
+A row draws argmax over its kept tokens of ``logit / T + G``, ``G = -ln(-ln u)``, where ``u`` is a hash of
+(the row's seed, the sampled position, the token): the draw reads no generator state and does not depend on
+the row's place in the batch. The first kernel splits each row over vocab blocks and leaves, per block, the
+best score and its token plus the block's softmax max and sum (over the kept tokens); the second, one
+program a row, combines the blocks in block order and, for rows with top-p, walks the candidates (below).
 
-The noise is an integer hash of the flat (row, token) index and a per-step seed drawn on the device from
-the sampler's generator (so every TP rank, with the same generator state, draws the same tokens). Each
-program takes a block of one row's logits; the block maxima are reduced by torch.
-Without Triton the same draw goes through flashinfer.
+Top-p without sorting: the nucleus is closed upwards (a token more probable than a kept one is kept), so the
+best-scoring kept token is found by taking the best-scoring token above a floor, testing whether it is in
+the nucleus (the mass strictly above it is below ``top_p`` of the kept mass), and, if not, raising the floor
+to it. Each test is one pass over the row, which stays in L2; a row usually needs one.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU-only installs: the GPU sampler falls back to flashinfer
+except ImportError:  # CPU-only installs sample with the torch reference (runtime.engine.sampler)
     triton = None
 
-BLOCK = 4096  # logits per program: a row is split over vocab / BLOCK programs, reduced afterwards
-SEED_RANGE = 2**31 - 1
+BLOCK = 4096  # logits per program of the first kernel
 
 if triton is not None:
     from triton.language.extra.cuda import libdevice
 
     @triton.jit
-    def _uniform(offsets, seed):
-        """(0, 1) from a 32-bit integer hash (lowbias32) of offset and seed: a few integer ops per value
-        where Philox (tl.rand) made the kernel compute-bound. 23 bits keep the top value below 1."""
-        x = offsets.to(tl.uint32) ^ (seed * 0x9E3779B9)
+    def _lowbias32(x):
+        """A 32-bit integer hash (a bijection: distinct tokens get distinct noise)."""
         x ^= x >> 16
         x *= 0x7FEB352D
         x ^= x >> 15
         x *= 0x846CA68B
         x ^= x >> 16
-        return ((x >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+        return x
 
     @triton.jit
-    def _gumbel_block_max(
-        logits_ptr, row_stride, temp_ptr, seed_ptr, best_ptr, best_idx_ptr, vocab, blocks, BLOCK: tl.constexpr
+    def _row_key(seed_ptr, pos_ptr, row):
+        """The row's noise key: its int64 seed and its position hashed into 32 bits (noise.py's ``row_keys``)."""
+        seed = tl.load(seed_ptr + row)
+        lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+        hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        pos = tl.load(pos_ptr + row).to(tl.uint32)
+        return _lowbias32(lo ^ _lowbias32(hi ^ _lowbias32(pos ^ 0x9E3779B9)))
+
+    @triton.jit
+    def _gumbel(cols, key, FAST_LOG: tl.constexpr):
+        """Gumbel noise of tokens ``cols`` for the row key ``key``; 23 bits keep ``u`` strictly inside (0, 1)."""
+        h = _lowbias32(cols.to(tl.uint32) ^ key)
+        u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+        if FAST_LOG:  # lg2.approx (~2 ulp): the precise logarithm made the pass compute-bound
+            return -0.6931471805599453 * libdevice.fast_log2f(-0.6931471805599453 * libdevice.fast_log2f(u))
+        return -0.6931471805599453 * tl.log2(-0.6931471805599453 * tl.log2(u))  # ln 2 * log2 = ln
+
+    @triton.jit
+    def _block_pass(
+        logits_ptr, row_stride, temp_ptr, thr_ptr, seed_ptr, pos_ptr, best_ptr, idx_ptr, max_ptr, sum_ptr,
+        vocab, blocks, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr,
     ):
         row = tl.program_id(0)
         block = tl.program_id(1)
         cols = block * BLOCK + tl.arange(0, BLOCK)
-        inside = cols < vocab
-        x = tl.load(logits_ptr + row.to(tl.int64) * row_stride + cols, mask=inside, other=0.0).to(tl.float32)
-        seed = tl.load(seed_ptr).to(tl.uint32)
-        u = _uniform(row * vocab + cols, seed)
-        # G = -ln(-ln u) through the hardware's approximate log2 (lg2.approx: ~2 ulp), and one reciprocal of
-        # T a program: the precise log and division made the pass compute-bound (256 rows of 49k logits read
-        # at ~0.6 TB/s). The noise's error is far below any probability sampling resolves.
-        neg_ln_u = -0.6931471805599453 * libdevice.fast_log2f(u)  # ln 2
-        gumbel = -0.6931471805599453 * libdevice.fast_log2f(neg_ln_u)
-        score = tl.where(inside, x * (1.0 / tl.load(temp_ptr + row)) + gumbel, float("-inf"))
+        x = tl.load(logits_ptr + row.to(tl.int64) * row_stride + cols, mask=cols < vocab, other=float("-inf"))
+        x = x.to(tl.float32)
+        t = tl.load(temp_ptr + row)
+        greedy = t <= 0.0
+        inv_t = 1.0 / tl.where(greedy, 1.0, t)
+        kept = (cols < vocab) & (x >= tl.load(thr_ptr + row))
+        noise = _gumbel(cols, _row_key(seed_ptr, pos_ptr, row), FAST_LOG)
+        score = tl.where(kept, x * inv_t + tl.where(greedy, 0.0, noise), float("-inf"))
         top = tl.max(score, axis=0)
-        tl.store(best_ptr + row * blocks + block, top)
-        tl.store(best_idx_ptr + row * blocks + block, tl.min(tl.where(score == top, cols, vocab), axis=0))
+        out = row * blocks + block
+        tl.store(best_ptr + out, top)
+        tl.store(idx_ptr + out, tl.min(tl.where(score == top, cols, vocab), axis=0))
+        m = tl.max(tl.where(kept, x, float("-inf")), axis=0)
+        tl.store(max_ptr + out, m)
+        tl.store(sum_ptr + out, tl.sum(tl.where(kept, tl.exp2((x - m) * (inv_t * 1.4426950408889634)), 0.0), axis=0))
+
+    @triton.jit
+    def _finish(
+        logits_ptr, row_stride, temp_ptr, thr_ptr, top_p_ptr, seed_ptr, pos_ptr, best_ptr, idx_ptr, max_ptr,
+        sum_ptr, out_ptr, vocab, blocks, BLOCKS_P2: tl.constexpr, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        b = tl.arange(0, BLOCKS_P2)
+        part = row * blocks + b
+        ok = b < blocks
+        best = tl.load(best_ptr + part, mask=ok, other=float("-inf"))
+        top = tl.max(best, axis=0)
+        cand = tl.min(tl.where(ok & (best == top), tl.load(idx_ptr + part, mask=ok, other=vocab), vocab), axis=0)
+        t = tl.load(temp_ptr + row)
+        top_p = tl.load(top_p_ptr + row)
+        if (t > 0.0) & (top_p < 1.0):
+            scale = 1.4426950408889634 / t  # log2(e): exp2 of scaled logits
+            inv_t = 1.0 / t
+            block_max = tl.load(max_ptr + part, mask=ok, other=float("-inf"))
+            m = tl.max(block_max, axis=0)
+            block_sum = tl.load(sum_ptr + part, mask=ok, other=0.0)
+            limit = top_p * tl.sum(tl.where(ok, block_sum * tl.exp2((block_max - m) * scale), 0.0), axis=0)
+            key = _row_key(seed_ptr, pos_ptr, row)
+            logits = logits_ptr + row.to(tl.int64) * row_stride
+            searching = True
+            while searching:
+                floor = tl.load(logits + cand).to(tl.float32)
+                above = 0.0
+                next_best = float("-inf")
+                next_idx = vocab
+                for start in range(0, vocab, BLOCK):
+                    cols = start + tl.arange(0, BLOCK)
+                    x = tl.load(logits + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+                    higher = x > floor  # above the candidate: kept by top-k too (the candidate is)
+                    above += tl.sum(tl.where(higher, tl.exp2((x - m) * scale), 0.0), axis=0)
+                    score = tl.where(higher, x * inv_t + _gumbel(cols, key, FAST_LOG), float("-inf"))
+                    block_best = tl.max(score, axis=0)
+                    block_idx = tl.min(tl.where(score == block_best, cols, vocab), axis=0)
+                    next_idx = tl.where(block_best > next_best, block_idx, next_idx)  # earlier blocks win ties
+                    next_best = tl.maximum(next_best, block_best)
+                if above < limit:
+                    searching = False
+                else:
+                    cand = next_idx
+        tl.store(out_ptr + row, cand)
 
 
-def sample_with_temperature(
-    logits: torch.Tensor, temperatures: torch.Tensor, generator: torch.Generator
+def sample(
+    logits: torch.Tensor, temperatures: torch.Tensor, thresholds: torch.Tensor, top_p: torch.Tensor,
+    seeds: torch.Tensor, positions: torch.Tensor,
 ) -> torch.Tensor:
-    """int32 tokens ``[rows]`` drawn from softmax(logits / T) per row (``logits``: rows of any float dtype)."""
-    if triton is None:
-        from flashinfer import sampling
-
-        return sampling.sampling_from_logits(logits / temperatures[:, None], generator=generator)
+    """int32 tokens ``[rows]``: ``logits`` ``[rows, vocab]`` (any float dtype, last dim dense); per row float32
+    temperatures (<= 0: greedy), top-k thresholds (keep logits >= it; -inf keeps all), top-p (1: off), int64
+    seeds and positions (the noise keys)."""
     rows, vocab = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    seed = torch.randint(0, SEED_RANGE, (1,), device=logits.device, generator=generator, dtype=torch.int64)
     blocks = triton.cdiv(vocab, BLOCK)
-    best = torch.empty(rows, blocks, dtype=torch.float32, device=logits.device)
-    best_idx = torch.empty(rows, blocks, dtype=torch.int32, device=logits.device)
-    _gumbel_block_max[(rows, blocks)](
-        logits, logits.stride(0), temperatures, seed, best, best_idx, vocab, blocks, BLOCK=BLOCK, num_warps=4
+    dev = logits.device
+    best = torch.empty(rows, blocks, dtype=torch.float32, device=dev)
+    best_idx = torch.empty(rows, blocks, dtype=torch.int32, device=dev)
+    block_max = torch.empty(rows, blocks, dtype=torch.float32, device=dev)
+    block_sum = torch.empty(rows, blocks, dtype=torch.float32, device=dev)
+    out = torch.empty(rows, dtype=torch.int32, device=dev)
+    fast_log = os.environ.get("TRITON_INTERPRET") != "1"
+    _block_pass[(rows, blocks)](
+        logits, logits.stride(0), temperatures, thresholds, seeds, positions, best, best_idx, block_max, block_sum,
+        vocab, blocks, BLOCK=BLOCK, FAST_LOG=fast_log, num_warps=4,
     )
-    return best_idx.gather(1, best.argmax(dim=1, keepdim=True))[:, 0]
+    _finish[(rows,)](
+        logits, logits.stride(0), temperatures, thresholds, top_p, seeds, positions, best, best_idx, block_max,
+        block_sum, out, vocab, blocks, BLOCKS_P2=triton.next_power_of_2(blocks), BLOCK=BLOCK, FAST_LOG=fast_log,
+        num_warps=8,
+    )
+    return out

@@ -1,11 +1,16 @@
-"""Token sampling: the Sampler (prepare / sample), flashinfer on GPU, torch elsewhere.
+"""Token sampling: one semantics on every device, drawn from counter-keyed noise.
 
-Semantics, shared by both paths: temperature 0 is greedy (exact argmax); else
-softmax(logits / T), then top-k, then top-p over the renormalised top-k mass,
-then one draw. Requests with an explicit ``seed`` draw from a counter-based
-RNG keyed by (seed, position), so their tokens do not depend on what else is
-in the batch, on the TP size, or on the device. On CPU every request uses it
-(unseeded ones get a seed derived from the run's seed and their id).
+Temperature 0 is greedy (the first largest logit). Otherwise a row keeps its top-k tokens (every logit at
+least the k-th largest), then its nucleus: the kept tokens whose strictly more probable kept tokens hold less
+than ``top_p`` of the kept probability mass (so the most probable token always stays, and tied tokens stay
+or go together). It draws the kept token with the largest ``logit / T + G``, G Gumbel noise that is a pure
+function of (the row's seed, the sampled position, the token): Gumbel-max, a draw from softmax(logits / T)
+over the kept tokens. Nothing depends on the batch a row runs in, on a generator's state, on the device
+count or on the order of steps, so a row's tokens depend only on its seed and its logits.
+
+Every row has a seed: its own, or one derived from the run's ``engine.seed`` and the row's key
+(``runtime.batch``). The GPU runs two Triton kernels (``runtime.engine.gumbel``); this module's torch
+version is the reference, used on CPU and wherever Triton is missing.
 """
 
 from __future__ import annotations
@@ -16,134 +21,118 @@ import numpy as np
 import torch
 
 from runtime.batch import Batch
-from runtime.engine.gumbel import sample_with_temperature
 from runtime.utils import host_to_device
 
-MIN_T = 1e-6  # a temperature of 0 would divide by zero
-MIN_P = 1e-6  # a top_p of 0 would filter out every token
-
-_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: decorrelates neighbouring keys
-_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
-_MIX2 = -7723592293110705685  # 0x94D049BB133111EB
+MIN_P = 1e-6  # a top_p of 0 would keep nothing
+_MASK32 = 0xFFFFFFFF
 
 
 @dataclass
 class SamplingArgs:
-    temperatures: torch.Tensor | None  # None: the whole batch is greedy
-    top_k: torch.Tensor | None = None  # None: no request restricts top-k
-    top_p: torch.Tensor | None = None  # None: no request restricts top-p
-    greedy: torch.Tensor | None = None  # bool rows that take the argmax (None: no such row)
+    temperatures: torch.Tensor | None  # float32 per row, 0 = greedy; None: the whole batch is greedy
+    top_p: torch.Tensor | None = None  # float32 per row, 1 = off
+    top_k: torch.Tensor | None = None  # int64 per row, 0 = off; None: no row restricts top-k
+    max_k: int = 0  # the largest top-k of the batch (the host knows it, so no device sync asks)
     seeds: torch.Tensor | None = None  # int64 per row
-    positions: torch.Tensor | None = None  # int64 position of the sampled token (counter RNG key)
-    seeded_rows: torch.Tensor | None = None  # rows drawn with the counter RNG on GPU (None: none)
+    positions: torch.Tensor | None = None  # int64 per row: the position of the sampled token
 
 
-def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
+def _lowbias32(x: torch.Tensor) -> torch.Tensor:
+    """gumbel.py's 32-bit hash on int64 tensors holding uint32 values (products wrap; the mask keeps 32 bits)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64 finaliser; int64 products wrap around, which is what it needs."""
-    x = (x ^ _shift_right(x, 30)) * _MIX1
-    x = (x ^ _shift_right(x, 27)) * _MIX2
-    return x ^ _shift_right(x, 31)
+def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """32-bit noise keys (as int64) of (seed, position) pairs, bit for bit the GPU kernel's."""
+    lo, hi = seeds & _MASK32, (seeds >> 32) & _MASK32
+    return _lowbias32(lo ^ _lowbias32(hi ^ _lowbias32((positions & _MASK32) ^ 0x9E3779B9)))
 
 
 def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """Uniform(0, 1) noise ``[rows, vocab]`` that is a pure function of (seed, position, token)."""
-    key = _mix(seeds * _GOLDEN + positions)
-    x = _mix(key[:, None] + torch.arange(vocab, device=seeds.device, dtype=torch.int64)[None, :] * _GOLDEN)
-    # 23 bits: (2**23 - 0.5) is exact in float32, so the value stays strictly below 1 (24 bits would round to 1).
-    return (_shift_right(x, 41).float() + 0.5) * (1.0 / (1 << 23))
+    cols = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    h = _lowbias32(cols[None, :] ^ row_keys(seeds, positions)[:, None])
+    # 23 bits: (2**23 - 0.5) / 2**23 is exact in float32, so the value stays strictly below 1.
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
-def filter_top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Zero the probabilities outside each row's top-k, then outside its nucleus (top-k first)."""
-    if top_k is None and top_p is None:
-        return probs
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-    keep = torch.ones_like(sorted_p, dtype=torch.bool)
-    if top_k is not None:
-        keep &= rank < top_k[:, None]
-    if top_p is not None:
-        kept = sorted_p * keep
-        kept = kept / kept.sum(-1, keepdim=True)
-        mass_before = kept.cumsum(-1) - kept
-        keep &= mass_before < top_p[:, None]  # the top token always survives
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_p * keep)
+def top_k_thresholds(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
+    """Per row, the k-th largest logit (float32; -inf for rows with k = 0, which keep every token)."""
+    values = logits.topk(max_k, dim=-1).values.float()
+    kth = values.gather(1, (top_k.clamp(1, max_k) - 1)[:, None])[:, 0]
+    return torch.where(top_k > 0, kth, float("-inf"))
 
 
-def sample_counter(
-    logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-    seeds: torch.Tensor, positions: torch.Tensor,
-) -> torch.Tensor:
-    """Torch sampling with counter-based noise: the exponential race argmax(p / E), E ~ Exp(1)."""
-    probs = torch.softmax(logits.float() / temperatures[:, None], dim=-1)
-    probs = filter_top_k_top_p(probs, top_k, top_p)
-    noise = -torch.log(counter_uniform(seeds, positions, logits.shape[-1]))
-    return (probs / noise).argmax(dim=-1)
+def kept_tokens(x: torch.Tensor, inv_t: torch.Tensor, thresholds: torch.Tensor | None,
+                top_p: torch.Tensor | None) -> torch.Tensor:
+    """Bool ``[rows, vocab]``: the top-k tokens, then their nucleus (the module's rule), of float32 logits."""
+    keep = x >= thresholds[:, None] if thresholds is not None else torch.ones_like(x, dtype=torch.bool)
+    if top_p is None:
+        return keep
+    weight = torch.exp((x - x.max(-1, keepdim=True).values) * inv_t[:, None]) * keep
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    sorted_w = weight.gather(1, order)
+    before = torch.cat((torch.zeros_like(sorted_w[:, :1]), sorted_w.cumsum(-1)[:, :-1]), dim=-1)
+    # Tied logits share the mass strictly above them: the mass before the first of their run.
+    descending = -sorted_x
+    first_of_run = torch.searchsorted(descending.contiguous(), descending.contiguous(), side="left")
+    above = torch.empty_like(before).scatter_(1, order, before.gather(1, first_of_run))
+    return keep & (above < top_p[:, None] * weight.sum(-1, keepdim=True))
+
+
+def sample_torch(logits: torch.Tensor, args: SamplingArgs) -> torch.Tensor:
+    """The reference draw (any device): the module's semantics in plain torch."""
+    x = logits.float()
+    greedy_tokens = x.argmax(dim=-1)
+    if args.temperatures is None:
+        return greedy_tokens
+    greedy = args.temperatures <= 0
+    inv_t = 1.0 / torch.where(greedy, 1.0, args.temperatures)
+    thresholds = top_k_thresholds(x, args.top_k, args.max_k) if args.top_k is not None else None
+    keep = kept_tokens(x, inv_t, thresholds, args.top_p)
+    noise = -torch.log(-torch.log(counter_uniform(args.seeds, args.positions, x.shape[-1])))
+    score = torch.where(keep, x * inv_t[:, None] + noise, float("-inf"))
+    return torch.where(greedy, greedy_tokens, score.argmax(dim=-1))
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device, use_flashinfer: bool, seed: int) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, use_kernels: bool) -> None:
         self.vocab_size = vocab_size
         self.device = device
-        self.use_flashinfer = use_flashinfer
-        # Same seed on every rank and the same sequence of calls: identical draws everywhere.
-        self.generator = torch.Generator(device=device).manual_seed(seed) if use_flashinfer else None
+        self.kernels = None
+        if use_kernels:
+            from runtime.engine import gumbel
+
+            self.kernels = gumbel if gumbel.triton is not None else None
 
     def prepare(self, batch: Batch) -> SamplingArgs:
+        """The step's sampling parameters on the device, in two uploads (floats, integers)."""
         if batch.all_greedy:
             return SamplingArgs(temperatures=None)
-        greedy = batch.temperature == 0
-        temps = np.maximum(batch.temperature, MIN_T).astype(np.float32)
-        top_k = np.where((batch.top_k <= 0) | (batch.top_k > self.vocab_size), self.vocab_size, batch.top_k)
-        top_p = np.clip(batch.top_p, MIN_P, 1.0).astype(np.float32)
-        dev = self.device
-        args = SamplingArgs(temperatures=host_to_device(temps, dev))
-        if greedy.any():
-            args.greedy = host_to_device(greedy, dev)
-        if (top_k != self.vocab_size).any():
-            args.top_k = host_to_device(top_k.astype(np.int32 if self.use_flashinfer else np.int64), dev)
-        if (top_p < 1.0).any():
-            args.top_p = host_to_device(top_p, dev)
-        counter_rows = np.flatnonzero(batch.seeded & ~greedy) if self.use_flashinfer else np.arange(batch.size)
-        if len(counter_rows):
-            args.seeds = host_to_device(batch.seeds[counter_rows].astype(np.int64), dev)
-            args.positions = host_to_device(batch.kv_lens[counter_rows].astype(np.int64), dev)
-            if self.use_flashinfer:
-                args.seeded_rows = host_to_device(counter_rows.astype(np.int64), dev)
-        return args
+        temps = batch.temperature.astype(np.float32)
+        sampled = temps > 0
+        top_k = np.where(sampled & (batch.top_k > 0) & (batch.top_k < self.vocab_size), batch.top_k, 0)
+        top_p = np.where(sampled, np.clip(batch.top_p, MIN_P, 1.0), 1.0).astype(np.float32)
+        floats = host_to_device(np.concatenate((temps, top_p)), self.device).view(2, -1)
+        ints = host_to_device(np.concatenate((batch.seeds, batch.kv_lens, top_k)).astype(np.int64), self.device)
+        seeds, positions, top_k_dev = ints.view(3, -1)
+        max_k = int(top_k.max())
+        return SamplingArgs(
+            temperatures=floats[0], top_p=floats[1] if (top_p < 1.0).any() else None,
+            top_k=top_k_dev if max_k else None, max_k=max_k, seeds=seeds, positions=positions,
+        )
 
     def sample(self, logits: torch.Tensor, args: SamplingArgs) -> torch.Tensor:
         if args.temperatures is None:
             return logits.argmax(dim=-1)
-        if self.use_flashinfer:
-            out = self._sample_flashinfer(logits, args)
-            if args.seeded_rows is not None:
-                rows = args.seeded_rows
-                out[rows] = sample_counter(
-                    logits[rows], args.temperatures[rows],
-                    None if args.top_k is None else args.top_k[rows].long(),
-                    None if args.top_p is None else args.top_p[rows], args.seeds, args.positions,
-                ).to(out.dtype)  # flashinfer returns int32 tokens
-        else:
-            out = sample_counter(logits, args.temperatures, args.top_k, args.top_p, args.seeds, args.positions)
-        if args.greedy is None:
-            return out
-        return torch.where(args.greedy, logits.argmax(dim=-1), out)
-
-    def _sample_flashinfer(self, logits: torch.Tensor, args: SamplingArgs) -> torch.Tensor:
-        from flashinfer import sampling
-
-        gen = self.generator
-        if args.top_k is None and args.top_p is None:
-            return sample_with_temperature(logits, args.temperatures, gen)
-        probs = sampling.softmax(logits, args.temperatures)
-        if args.top_p is None:
-            return sampling.top_k_sampling_from_probs(probs, args.top_k, generator=gen)
-        if args.top_k is None:
-            return sampling.top_p_sampling_from_probs(probs, args.top_p, generator=gen)
-        return sampling.top_k_top_p_sampling_from_probs(probs, args.top_k, args.top_p, generator=gen)
+        if self.kernels is None:
+            return sample_torch(logits, args)
+        n = logits.shape[0]
+        thresholds = (top_k_thresholds(logits, args.top_k, args.max_k) if args.top_k is not None
+                      else torch.full((n,), float("-inf"), device=logits.device))
+        top_p = args.top_p if args.top_p is not None else torch.ones(n, device=logits.device)
+        return self.kernels.sample(logits, args.temperatures, thresholds, top_p, args.seeds, args.positions)

@@ -109,7 +109,7 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: list[JobRow]) -> 
     errors = JsonlAppender(part_path(paths.errors, replicas.index), job.fsync_every_s, mode="w")
     counts = {"rows": 0, "errors": 0, "input_tokens": 0, "output_tokens": 0}
     latencies: list[float] = []  # claim to result, per row
-    claimed_at: dict[int, float] = {}
+    claimed: dict[str, tuple[JobRow, float]] = {}  # by the row's id, which is also its item key (its noise)
     start = time.perf_counter()
     bar = _progress(len(todo) if replicas.count == 1 else None, job.progress and replicas.first)
 
@@ -118,7 +118,8 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: list[JobRow]) -> 
         counts["errors"] += 1
         bar.update(1)
 
-    def on_result(row: JobRow, output: Any) -> None:
+    def on_result(key: str, output: Any) -> None:
+        row, claimed_at = claimed.pop(key)
         if output.error is not None:
             record_error(row, output.error)
             return
@@ -126,7 +127,7 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: list[JobRow]) -> 
         counts["rows"] += 1
         counts["input_tokens"] += output.prompt_tokens
         counts["output_tokens"] += output.total_completion_tokens
-        latencies.append(round(time.perf_counter() - claimed_at.pop(row.line), 4))
+        latencies.append(round(time.perf_counter() - claimed_at, 4))
         bar.update(1)
         bar.set_postfix(tok_s=f"{counts['output_tokens'] / max(time.perf_counter() - start, 1e-9):.0f}")
 
@@ -139,8 +140,8 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: list[JobRow]) -> 
             if row.error is not None:
                 record_error(row, row.error)
             else:
-                claimed_at[row.line] = time.perf_counter()
-                items.append((row, row.prompt, row.sampling))
+                claimed[row.key] = row, time.perf_counter()
+                items.append((row.key, row.prompt, row.sampling))
         return items
 
     try:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Union
 
 from parallel.state import get_tp
-from runtime.batch import Batch, Req, make_sample_group
+from runtime.batch import Batch, Req, make_sample_group, unseeded_key
 from runtime.broadcast import send_batch
 from runtime.config import RuntimeConfig, load_config
 from runtime.engine import Engine
@@ -71,7 +71,7 @@ class LLM:
             cfg.scheduler, e.num_pages, e.page_size, e.max_seq_len, e.dummy_row, cfg.cache.type, cfg.cache.debug_checks,
         )
         self.outputs = OutputProcessor(self.eos_ids, e.dummy_row)
-        # Request ids (and so the noise of unseeded sampling) differ between data-parallel replicas.
+        # Request ids differ between data-parallel replicas (they never pick sampling noise: row keys do).
         self._next_uid = get_tp().dp_rank << 40
         self.last_stats: dict[str, float] = {}
         self.drain: Drain | None = None  # set by the launcher to drain on SIGTERM/SIGUSR1
@@ -111,7 +111,9 @@ class LLM:
         raise ValueError(f"a prompt must be a string, a list of token ids (int) or a list of chat messages, not "
                          f"{_kind(prompt)}")
 
-    def make_request(self, prompt: Prompt, params: SamplingParams) -> Req:
+    def make_request(self, prompt: Prompt, params: SamplingParams, key: object = None) -> Req:
+        """A request for ``prompt``; ``key`` names the row (a job row's id, a prompt's index in its call): an
+        unseeded request draws its noise from (``engine.seed``, key), the same at any batch or DP size."""
         ids = self.encode(prompt)
         if not ids:  # e.g. whitespace with a tokenizer that adds no BOS: there is no position to sample from
             raise ValueError("prompt encodes to zero tokens")
@@ -123,7 +125,9 @@ class LLM:
                 f"prompt has {len(ids)} tokens; the maximum sequence length is {limit} (model.max_seq_len),"
                 " which must leave room for at least one new token"
             )
-        req = Req(self._take_uid(), ids, params, min(params.max_new_tokens, limit - len(ids)), run_seed=self.cfg.engine.seed)
+        uid = self._take_uid()
+        stream = unseeded_key(self.cfg.engine.seed, uid if key is None else key)
+        req = Req(uid, ids, params, min(params.max_new_tokens, limit - len(ids)), stream=stream)
         if params.stop:
             req.detok = IncrementalDetokenizer(self.tokenizer)
         return req
@@ -171,7 +175,7 @@ class LLM:
             for key, prompt, params in new_items:
                 position = results.new_position(key)
                 try:
-                    self._queue(self.make_request(prompt, params), position)
+                    self._queue(self.make_request(prompt, params, key), position)
                 except Exception as exc:  # noqa: BLE001 - one request's failure (a template's TemplateError...) is its own
                     results.fail(position, str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}")
 

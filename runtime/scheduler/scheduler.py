@@ -213,12 +213,11 @@ class Scheduler:
         self, phase: str, reqs: list[Req], rows: np.ndarray, starts: np.ndarray, ext: np.ndarray,
         sample_rows: np.ndarray,
     ) -> Batch:
-        temp, top_k, top_p, seeds, seeded = zip(*(r.sampling_row for r in reqs))
+        temp, top_k, top_p, seeds = zip(*(r.sampling_row for r in reqs))
         batch = Batch(
             phase=phase, rows=rows, starts=starts, ext_lens=ext, sample_rows=sample_rows.astype(np.int32),
             temperature=np.array(temp, np.float32), top_k=np.array(top_k, np.int32),
-            top_p=np.array(top_p, np.float32), seeds=np.array(seeds, np.int64), seeded=np.array(seeded, bool),
-            reqs=reqs,
+            top_p=np.array(top_p, np.float32), seeds=np.array(seeds, np.int64), reqs=reqs,
         )
         if self.logprob_reqs:  # otherwise no row can ask: no per-row work at all
             ks = np.array([r.logprob_ks for r in reqs], np.int32)

@@ -31,9 +31,10 @@ class AttentionBackend(Protocol):
 
 def make_attention_backend(
     name: str, kv_cache: KVCache, page_table: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-    dtype: torch.dtype,
+    dtype: torch.dtype, deterministic: bool = False,
 ) -> AttentionBackend:
-    """``engine.attention_backend``: ``auto`` is flashinfer on CUDA and the torch reference elsewhere."""
+    """``engine.attention_backend``: ``auto`` is flashinfer on CUDA and the torch reference elsewhere.
+    ``deterministic``: kernels whose result for a token does not depend on the batch or the chunking."""
     on_gpu = page_table.device.type == "cuda"
     if name == "auto":
         name = "flashinfer" if on_gpu else "torch"
@@ -42,7 +43,7 @@ def make_attention_backend(
             raise ValueError("engine.attention_backend=flashinfer needs a CUDA device")
         from runtime.engine.attention.flashinfer_backend import FlashInferBackend
 
-        return FlashInferBackend(kv_cache, page_table, num_heads, num_kv_heads, head_dim, dtype)
+        return FlashInferBackend(kv_cache, page_table, num_heads, num_kv_heads, head_dim, dtype, deterministic)
     from runtime.engine.attention.torch_backend import TorchAttentionBackend
 
-    return TorchAttentionBackend(kv_cache, page_table, head_dim)
+    return TorchAttentionBackend(kv_cache, page_table, head_dim, deterministic)

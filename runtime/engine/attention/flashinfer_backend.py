@@ -57,6 +57,10 @@ def paged_layout(kv_lens: np.ndarray, page_size: int) -> tuple[np.ndarray, np.nd
     return num_pages, indptr, last_len
 
 
+def triton_next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def grown(held: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``held`` if it holds ``numel`` elements, else a new zeroed buffer of that size (at least one element)."""
     if held is not None and held.numel() >= numel:
@@ -69,7 +73,7 @@ class FlashInferBackend:
 
     def __init__(
         self, kv_cache: KVCache, page_table: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-        dtype: torch.dtype,
+        dtype: torch.dtype, deterministic: bool = False,
     ) -> None:
         import flashinfer
 
@@ -99,7 +103,17 @@ class FlashInferBackend:
         self.paged: tuple[int, int, torch.Tensor, torch.Tensor] | None = None  # this step's, on paged_decode
         self._paged_workspace: torch.Tensor | None = None
         self._paged_counters: torch.Tensor | None = None
-
+        # Deterministic: every decode step (graphs of any size, eager steps) on paged_decode with one chunk size,
+        # so a token's attention is summed in the same order whatever the batch; prefill never splits the KV.
+        self.deterministic = deterministic
+        if deterministic:
+            if not pd.supports(num_qo_heads, num_kv_heads, head_dim, dtype):
+                raise ValueError(
+                    f"engine.deterministic=true decodes with paged_decode, which needs Triton, a 16-bit model.dtype, "
+                    f"a power-of-two head_dim >= 16 and at most 16 query heads per KV head (got {dtype}, head_dim "
+                    f"{head_dim}, {num_qo_heads} query and {num_kv_heads} KV heads)"
+                )
+            self.eager_paged = self._paged_state(page_table.shape[0], page_table.shape[1])
     def decode_uses_tensor_cores(self, batch_size: int) -> bool:
         return batch_size >= TENSOR_CORE_DECODE_MIN_BATCH or not self.cuda_cores_allowed
 
@@ -131,6 +145,9 @@ class FlashInferBackend:
 
     def prepare(self, batch: Batch, wrapper: object | None = None) -> None:
         self.split = self.paged = None
+        if self.deterministic and batch.is_decode:  # paged_decode reads positions and rows on the device
+            self.active, self.paged = None, self.eager_paged
+            return
         hq, hkv, dim = self.heads
         page = self.kv_cache.page_size
         num_pages, indptr, last_len = paged_layout(batch.kv_lens, page)
@@ -144,7 +161,8 @@ class FlashInferBackend:
         else:
             qo_indptr = torch.from_numpy(np.concatenate(([0], np.cumsum(batch.ext_lens))).astype(np.int32))
             wrapper = wrapper or self.prefill
-            no_split = wrapper is not self.prefill  # graph mode: see PREFILL_BACKEND
+            # Graph mode: see PREFILL_BACKEND. Deterministic: a split would depend on the batch.
+            no_split = wrapper is not self.prefill or self.deterministic
             self._plan(wrapper, lambda: wrapper.plan(
                 qo_indptr, indptr_t, indices, last_t, hq, hkv, head_dim_qk=dim, page_size=page, causal=True,
                 q_data_type=self.dtype, kv_data_type=self.dtype, disable_split_kv=no_split,
@@ -168,6 +186,9 @@ class FlashInferBackend:
     def init_graph(self, bs: int, max_pages_per_req: int) -> None:
         dev = self.device
         hq, hkv, dim = self.heads
+        if self.deterministic:
+            self.paged_graphs[bs] = self._paged_state(bs, max_pages_per_req)
+            return
         if bs <= SPLIT_DECODE_MAX_BATCH and sd.supports(dim):
             splits = sd.num_splits(bs, hkv, hq // hkv, dim, max_pages_per_req * self.kv_cache.page_size)
             self.split_graphs[bs] = splits, sd.new_workspace(bs, hkv, hq // hkv, dim, splits, dev)
@@ -187,6 +208,18 @@ class FlashInferBackend:
             paged_kv_indices_buffer=torch.zeros(bs * max_pages_per_req, dtype=torch.int32, device=dev),
             paged_kv_last_page_len_buffer=torch.zeros(bs, dtype=torch.int32, device=dev),
         )
+
+    def _paged_state(self, bs: int, max_pages_per_req: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+        """Deterministic decode's paged_decode state for ``bs`` requests: one chunk size for every batch (the
+        fewest chunks a sequence may have, past 1,024 tokens), its workspace and counters shared."""
+        hq, hkv, dim = self.heads
+        max_len = max_pages_per_req * self.kv_cache.page_size
+        chunk = max(1024, triton_next_power_of_2(-(-max_len // pd.MAX_CHUNKS)))
+        chunks = pd.num_chunks(max_len, chunk)
+        states = pd.workspace_size(bs, hkv, hq // hkv, dim, chunks)
+        self._paged_workspace = grown(self._paged_workspace, states, torch.float32, self.device)
+        self._paged_counters = grown(self._paged_counters, bs * hkv, torch.int32, self.device)
+        return chunk, chunks, self._paged_workspace, self._paged_counters
 
     def init_prefill_graph(self, tokens: int, requests: int, max_pages_per_req: int) -> None:
         """A graph-mode prefill wrapper for steps of ``tokens`` tokens over exactly ``requests`` requests (the

@@ -175,10 +175,9 @@ def launch_config(head_dim: int, chunk: int) -> tuple[int, int]:
     """(num_warps, num_stages) of a program. Heads of 64: 2 warps (more programs an SM: 1-19% faster than 4
     at 16-256 requests of 9/3 heads), and 5 stages for chunks of 1,024 tokens (Triton then double-buffers K
     and V: 68.5 against 70.3 us at 256 requests; fewer stages win at shorter chunks). Heads of 128: 4 warps,
-    2 stages. Measured on one H200 with scripts/bench_attention.py's cache (benchmarks/README.md, eleventh
-    session). Two warps were once held back over a two-run token test that diverged (one run in three
-    passed); the kernel no longer reads back the slot it writes, and with 2 warps that test passed three runs
-    of three and tests/test_gpu_kernels.py's 200 calls over re-poisoned slots gave the same bits."""
+    2 stages. Measured on one H200 with scripts/bench_attention.py's cache (benchmarks/HISTORY.md). The
+    kernel never reads back the slot it writes, so the result does not depend on the warp count's timing
+    (tests/test_gpu_kernels.py: 200 calls over re-poisoned slots give the same bits)."""
     if head_dim <= 64:
         warps, stages = 2, (5 if chunk >= 1024 else 2)
     else:

@@ -2,6 +2,10 @@
 
 Each step gathers every request's cached K/V through the page table into a
 padded ``[B, max_kv_len]`` view and runs masked SDPA; simple and exact, not fast.
+
+Deterministic mode attends one token at a time over exactly its own keys: the same shapes, hence the same
+CPU code path and summation order, whatever else the step holds (the padded view's length depends on the
+longest request, and BLAS splits its work by shape).
 """
 
 from __future__ import annotations
@@ -25,12 +29,15 @@ class TorchAttnMeta:
     mask: torch.Tensor  # bool [B, 1, Lq, Lkv]
     q_index: torch.Tensor  # int64 [B, Lq]: packed token of each padded query (T = the zero row)
     out_index: torch.Tensor  # int64 [T]: padded position of each packed token
+    token_request: np.ndarray | None = None  # deterministic mode, [T]: each packed token's request
+    token_kv_len: np.ndarray | None = None  # deterministic mode, [T]: keys it attends (its position + 1)
 
 
 class TorchAttentionBackend:
     supports_graphs = False  # its metadata is rebuilt by host work every step
 
-    def __init__(self, kv_cache: KVCache, page_table: torch.Tensor, head_dim: int) -> None:
+    def __init__(self, kv_cache: KVCache, page_table: torch.Tensor, head_dim: int, deterministic: bool = False) -> None:
+        self.deterministic = deterministic
         self.kv_cache = kv_cache
         self.page_table = page_table
         self.scale = head_dim**-0.5
@@ -59,6 +66,9 @@ class TorchAttentionBackend:
         # Padded query rows attend to key 0 only so softmax stays finite; their output is dropped.
         mask = (causal & key_ok[:, None, :]) | (~q_ok[:, :, None] & (j == 0)[None, None, :])
         self.meta = TorchAttnMeta(slots, mask[:, None], q_index_d.view(n, max_q), out_index_d)
+        if self.deterministic:
+            self.meta.token_request = np.repeat(np.arange(n), q_lens)
+            self.meta.token_kv_len = np.concatenate([np.arange(s, s + e) for s, e in zip(batch.starts, q_lens)]) + 1
         batch.attn_meta = self.meta
 
     def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int, cos_sin: torch.Tensor) -> torch.Tensor:
@@ -68,6 +78,8 @@ class TorchAttentionBackend:
         self.kv_cache.store(layer_id, batch.out_loc, kv)
         heads, dim = q.shape[1:]
         kv_heads = kv.shape[2]
+        if self.deterministic:
+            return self._per_token(q, layer_id, kv_heads)
         q_pad = torch.cat((q, q.new_zeros(1, heads, dim)))[meta.q_index]  # [B, Lq, H, D]
         keys = self.kv_cache.k(layer_id).view(-1, kv_heads, dim)[meta.kv_slots]  # [B, Lkv, Hkv, D]
         values = self.kv_cache.v(layer_id).view(-1, kv_heads, dim)[meta.kv_slots]
@@ -76,6 +88,21 @@ class TorchAttentionBackend:
             attn_mask=meta.mask, scale=self.scale, enable_gqa=True,
         )
         return out.transpose(1, 2).reshape(-1, heads, dim)[meta.out_index]
+
+    def _per_token(self, q: torch.Tensor, layer_id: int, kv_heads: int) -> torch.Tensor:
+        """Each token's attention over its own keys ``[0, position]``, one SDPA call a token."""
+        meta = self.meta
+        heads, dim = q.shape[1:]
+        keys = self.kv_cache.k(layer_id).view(-1, kv_heads, dim)
+        values = self.kv_cache.v(layer_id).view(-1, kv_heads, dim)
+        out = torch.empty_like(q)
+        for token, (request, length) in enumerate(zip(meta.token_request.tolist(), meta.token_kv_len.tolist())):
+            slots = meta.kv_slots[request, :length]
+            out[token] = F.scaled_dot_product_attention(
+                q[token, :, None], keys[slots].transpose(0, 1), values[slots].transpose(0, 1), scale=self.scale,
+                enable_gqa=True,
+            )[:, 0]
+        return out
 
     def init_graph(self, bs: int, max_pages_per_req: int) -> None:
         raise NotImplementedError("the torch attention backend does not serve CUDA graphs")
