@@ -8,12 +8,14 @@ with a message that names the key (and the nearest valid one for a typo).
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+from runtime.sampling_params import SamplingParams
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -76,19 +78,18 @@ class EngineSection:
     deterministic: bool = False
 
 
-@dataclass
-class SamplingSection:
-    temperature: float = 0.0
-    top_k: int = -1
-    top_p: float = 1.0
-    max_new_tokens: int = 128
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    seed: int | None = None
-    logprobs: int | None = None  # k: each generated token's logprob + its top-k alternatives (k <= 20)
-    prompt_logprobs: int | None = None  # k: the same for every prompt token after the first
-    n: int = 1  # independent samples per prompt, sharing the prompt's prefill
+def _sampling_section() -> type:
+    """The ``sampling`` section: SamplingParams' fields, types and defaults, so that one place defines each
+    parameter, its default and its check (a request's own ``sampling`` overrides these per row)."""
+    hints = get_type_hints(SamplingParams)
+    specs = []
+    for f in fields(SamplingParams):
+        default = field(default_factory=f.default_factory) if f.default_factory is not MISSING else field(default=f.default)
+        specs.append((f.name, hints[f.name], default))
+    return make_dataclass("SamplingSection", specs)
+
+
+SamplingSection = _sampling_section()
 
 
 @dataclass
@@ -196,8 +197,6 @@ def _validate(cfg: RuntimeConfig) -> None:
             raise ConfigError(f"config key '{key}'={value} must be >= 0")
     if cfg.cache.num_pages == 1:
         raise ConfigError("config key 'cache.num_pages'=1 leaves no page for requests (page 0 is reserved); use >= 2")
-    from runtime.sampling_params import SamplingParams
-
     try:
         SamplingParams(**vars(cfg.sampling))
     except ValueError as exc:

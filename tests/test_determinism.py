@@ -113,11 +113,11 @@ def job_rows(path: Path, n: int) -> Path:
     return path
 
 
-def run_job(model: Path, rows: Path, out: Path, nproc: int, *extra: str) -> dict[str, str]:
+def run_job(model: Path, rows: Path, out: Path, nproc: int, *extra: str, tp_size: int = 1) -> dict[str, str]:
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                    "--nproc-per-node", str(nproc)]
     cmd = [*launcher, "launch.py", f"model.path={model}", *BASE, f"job.input={rows}", f"job.output={out}",
-           "job.progress=false", "job.chat_template=false", "parallel.tp_size=1", *extra]
+           "job.progress=false", "job.chat_template=false", f"parallel.tp_size={tp_size}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -140,3 +140,14 @@ def test_a_job_writes_the_same_text_at_every_dp_size_and_after_a_resume(text_mod
     out = tmp_path / "resumed.jsonl"
     run_job(text_model_dir, partial, out, 1, "scheduler.max_running_requests=5")
     assert run_job(text_model_dir, rows, out, 1, "scheduler.max_running_requests=16") == one
+
+
+@pytest.mark.slow
+def test_tensor_parallel_rows_do_not_depend_on_the_batch(text_model_dir: Path, tmp_path: Path):
+    """TP=2 over gloo: the row-parallel sums go through the ordered all-reduce, so a row's text is the same
+    with 2 or 12 rows running at once."""
+    rows = job_rows(tmp_path / "rows.jsonl", 12)
+    narrow = run_job(text_model_dir, rows, tmp_path / "narrow.jsonl", 2, "scheduler.max_running_requests=2", tp_size=2)
+    assert len(narrow) == 12 and len(set(narrow.values())) > 9
+    wide = run_job(text_model_dir, rows, tmp_path / "wide.jsonl", 2, "scheduler.max_running_requests=12", tp_size=2)
+    assert wide == narrow
