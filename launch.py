@@ -20,6 +20,7 @@ import os
 import resource
 import sys
 import time
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
     from runtime.frontend.signals import Drain
 
 CONFIG_ERROR_GRACE_S = 10.0
+# How long an idle OpenMP worker spins before it sleeps (libgomp's default: 300,000). Short, so that on
+# cores shared with other work a worker waiting at a barrier gives its core back to the one it waits for.
+GOMP_SPINCOUNT = 1000
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
 log = logging.getLogger("tpinfer")
 
@@ -43,6 +47,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "after a drain, a failed rank's own code, no launcher traceback (parallel/launcher.py)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. cache.page_size=1")
     return parser.parse_args(argv)
+
+
+def configure_cpu_threads(local_ranks: int, environ: MutableMapping[str, str] = os.environ) -> None:
+    """Before torch is imported: each of this node's ranks gets an equal share of the cores, and idle
+    OpenMP workers spin only briefly. Variables already set (``OMP_NUM_THREADS``, ``OMP_WAIT_POLICY``) win.
+
+    For one process that is torch's own thread count. With torch's long spins, workers on cores shared
+    with other work wait on each other many times slower; torchrun's one thread per rank would leave the
+    cores of an idle node unused.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // max(local_ranks, 1))))
+    if "OMP_WAIT_POLICY" not in environ:
+        environ.setdefault("GOMP_SPINCOUNT", str(GOMP_SPINCOUNT))
 
 
 def run_leader(cfg: RuntimeConfig) -> int:
@@ -91,8 +109,9 @@ def serve(cfg: RuntimeConfig, llm: LLM, drain: Drain) -> int:
             print(f"{m['completed']} rows done, {m['errors']} errors, {m['already_done']} done before -> "
                   f"{cfg.job.output}; {m['output_tokens']} tokens at {m['output_tokens_per_s']:.1f} tokens/s{replicas}")
         if m["interrupted"] or drain.requested:  # any replica cut short (this one included)
-            print(f"interrupted by signal: finished rows are on disk; rerun to complete (exit {EXIT_PREEMPTED})",
-                  file=sys.stderr)
+            if get_tp().dp_rank == 0:  # every replica's leader exits 143; one of them says why
+                print(f"interrupted by signal: finished rows are on disk; rerun to complete (exit {EXIT_PREEMPTED})",
+                      file=sys.stderr)
             return EXIT_PREEMPTED
         return 0
     tp = get_tp()
@@ -137,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         print(to_yaml(cfg), end="")
         return 0
     if args.nproc_per_node is not None:
+        configure_cpu_threads(args.nproc_per_node)  # for the ranks; torchrun then prints no OMP_NUM_THREADS banner
         return start_ranks(args)
+    configure_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # torchrun sets it for every rank
     if bool(cfg.job.input) != bool(cfg.job.output):
         print("error: config keys 'job.input' and 'job.output' must be set together", file=sys.stderr)
         return 2

@@ -10,6 +10,8 @@ branches or looks them up globally.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,26 +51,39 @@ def rope_torch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_si
         t.copy_(rotated)
 
 
-def _rms_norm_fi(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    import flashinfer
+GPU_EXTRA = "pip install 'tpinfer[gpu]'"
 
-    return flashinfer.norm.rmsnorm(x, weight, eps)
+
+def flashinfer_installed() -> bool:
+    """Whether the GPU extra is installed (``auto`` kernels fall back to torch's without it)."""
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+@functools.cache
+def import_flashinfer() -> Any:
+    """The flashinfer module; a CPU-only install lacks it, and the GPU path then says what to install."""
+    try:
+        import flashinfer
+    except ImportError as exc:
+        raise RuntimeError(f"the CUDA path needs flashinfer, which is not installed ({exc}); install the GPU "
+                           f"extra: {GPU_EXTRA} (from a clone: pip install -e '.[gpu]')") from exc
+    return flashinfer
+
+
+def _rms_norm_fi(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return import_flashinfer().norm.rmsnorm(x, weight, eps)
 
 
 def _add_rms_norm_fi(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    import flashinfer
-
     # In place: residual <- x + residual, x <- rmsnorm(x + residual).
-    flashinfer.norm.fused_add_rmsnorm(x, residual, weight, eps)
+    import_flashinfer().norm.fused_add_rmsnorm(x, residual, weight, eps)
     return x, residual
 
 
 def _silu_and_mul_fi(x: torch.Tensor) -> torch.Tensor:
-    import flashinfer
-
-    return flashinfer.activation.silu_and_mul(x)
+    return import_flashinfer().activation.silu_and_mul(x)
 
 
 @dataclass(frozen=True)

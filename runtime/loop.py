@@ -7,17 +7,26 @@ read, so the host's bookkeeping runs while the GPU computes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from runtime.batch import Batch, Req
 from runtime.engine import Engine, ForwardOutput
-from runtime.frontend.signals import Drain
 from runtime.output import OutputProcessor
 from runtime.scheduler import Scheduler
 
 
+class DrainRequest(Protocol):
+    """What the loop reads of a drain request; ``runtime.frontend.signals.Drain`` is one (the loop sits below it)."""
+
+    @property
+    def requested(self) -> bool: ...
+
+    def expired(self, timeout_s: float) -> bool: ...
+
+
 def run_until_idle(
     scheduler: Scheduler, engine: Engine, outputs: OutputProcessor, overlap: bool, on_finish: Callable[[Req], None],
-    on_batch: Callable[[Batch | None], None] | None = None, drain: Drain | None = None, drain_timeout_s: float = 0.0,
+    on_batch: Callable[[Batch | None], None] | None = None, drain: DrainRequest | None = None, drain_timeout_s: float = 0.0,
     refill: Callable[[], bool] | None = None,
 ) -> bool:
     """Serve until nothing is left; returns False if a drain request cut the run short.

@@ -1,9 +1,12 @@
-"""Small helpers shared by the engine, the attention backends and the sampler."""
+"""Small helpers and constants shared by the engine, the attention backends, the sampler and the scheduler."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+# The reserved KV page: padded graph slots and unused page-table entries point at it; the allocator never hands it out.
+DUMMY_PAGE = 0
 
 
 def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

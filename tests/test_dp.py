@@ -110,7 +110,7 @@ def test_dp_job_matches_one_process(model_dir, rows, reference, tmp_path, nproc,
     metrics = json.loads(out.with_suffix(".metrics.json").read_text())
     assert (metrics["dp_size"], metrics["tp_size"], metrics["completed"]) == (dp, tp_size, ROWS)
     replicas = metrics["replicas"]
-    assert [r["ranks"] for r in replicas] == [[i * tp_size, (i + 1) * tp_size - 1] for i in range(dp)]
+    assert [r["ranks"] for r in replicas] == [list(range(i * tp_size, (i + 1) * tp_size)) for i in range(dp)]
     assert sum(r["rows"] for r in replicas) == ROWS
     # Rows are taken as replicas have room, so more than one replica serves (not all: on a 2-core CI
     # machine one process may get no CPU before the others took every row).
@@ -161,6 +161,7 @@ def test_a_signal_to_one_replica_drains_them_all(model_dir, rows, reference, tmp
     assert proc.returncode != 0  # so a Slurm script requeues
     assert "SIGUSR1 received: draining" in log and "SIGUSR1 received by another replica: draining" in log, log[-3000:]
     assert "exitcode: 143" in log or "exit 143" in log, log[-3000:]
+    assert log.count("interrupted by signal") == 1, log[-3000:]  # replica 0 says it for all
     assert not list(tmp_path.glob("out.jsonl.part-*"))  # replica 1's rows were merged on the way out
     first = _texts(out)
     assert 4 <= len(first) < ROWS

@@ -21,7 +21,8 @@ def _rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours.double() - ref).norm() / ref.norm())
 
 
-@pytest.mark.parametrize("n,k", [(96, 64), (40, 200), (300, 136), (1000, 1100), (40, 2500)])
+@pytest.mark.parametrize("n,k", [(96, 64), (40, 200), (300, 136), pytest.param(1000, 1100, marks=pytest.mark.slow),
+                                 (40, 2500)])
 def test_kernels_match_float64(n, k):
     """Odd sizes (masked tails in N and K; K over one block: 2500 for every kernel, 1100 for SiLU), with and
     without bias."""
@@ -68,6 +69,7 @@ def _fused_engine(model_dir, monkeypatch):  # noqa: ANN001, ANN202
     return engine, calls
 
 
+@pytest.mark.slow  # the Triton interpreter runs every fused layer
 def test_fused_layers_match_hf_llama_with_bias(tmp_path, monkeypatch):
     """attention_bias puts a bias on q/k/v and on o_proj; a prompt fed one token per step (all fused, the
     last two as decode steps) and, in the same engine, two prompts together (2-token steps, unfused);
@@ -87,6 +89,7 @@ def test_fused_layers_match_hf_llama_with_bias(tmp_path, monkeypatch):
         assert relative_error(o, r) <= 1e-5
 
 
+@pytest.mark.slow  # the Triton interpreter runs every fused layer
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_fused_layers_match_hf_qwen(family, tmp_path, monkeypatch):
     """Qwen2's q/k/v bias and Qwen3's per-head q/k norm on the fused path; a 9-token chunk takes the

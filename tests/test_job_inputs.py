@@ -144,3 +144,16 @@ def test_latency_is_from_claim_to_result(tiny_llama_dir, tmp_path):
                      f"job.metrics={tmp_path / 'new' / 'dir' / 'm.json'}"), "cfg")
     assert m["completed"] == 30 and (tmp_path / "new" / "dir" / "m.json").is_file()
     assert m["latency_s"]["p50"] < m["wall_s"] / 3, m
+
+
+@pytest.mark.parametrize(("line", "reason"), [
+    (b'{"id": 1, "prompt": "a\tb"}', "Invalid control character at column 23"),  # a raw tab inside a string
+    (b'{"id": 1, "prompt": "ab",}', "Expecting property name enclosed in double quotes at column 26"),
+])
+def test_a_line_that_is_not_json_says_why_once(tmp_path, line, reason):
+    from runtime.frontend.job_files import read_rows
+    from runtime.sampling_params import SamplingParams
+
+    _write(tmp_path / "rows.jsonl", [line])
+    (row,) = read_rows(tmp_path / "rows.jsonl", SamplingParams(), chat_template=False)
+    assert row.error == f"line 1 is not valid JSON: {reason}"

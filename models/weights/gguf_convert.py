@@ -7,12 +7,9 @@ transformers' GGUF loader and saved as safetensors + config + tokenizer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-# default_model imports this module lazily (inside the function that converts), so this
-# top-level import creates no cycle.
-from models.weights.default_model import DEFAULT_MODEL, _log
 
 if TYPE_CHECKING:
     import torch
@@ -144,29 +141,30 @@ def _save(model: LlamaForCausalLM, tok: PreTrainedTokenizerBase, out: Path) -> N
             f.chmod(0o644)
 
 
-def convert_gguf(gguf_path: Path, out: Path, quiet: bool) -> dict:
+def convert_gguf(gguf_path: Path, out: Path, log: Callable[[str], None]) -> dict:
     """Dequantize the GGUF once with transformers and save a plain HF checkpoint in `out`.
 
-    Returns a summary (tensor types, saved dtype, tying, eos ids) for the cache marker.
+    ``log`` reports progress (the caller decides whether it is shown). Returns a summary
+    (tensor types, saved dtype, tying, eos ids) for the cache marker.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     types, has_output = _gguf_summary(gguf_path)
     dtype = _choose_dtype(types)
-    _log(f"  dequantizing GGUF (tensor types {', '.join(types)}) to {dtype} with transformers ...", quiet)
+    log(f"  dequantizing GGUF (tensor types {', '.join(types)}) to {dtype} with transformers ...")
 
     src_dir, name = str(gguf_path.parent), gguf_path.name
-    tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    # SmolLM2's own setting, stated so that the saved tokenizer_config.json carries it (unset, transformers warns).
+    tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=name, clean_up_tokenization_spaces=False)
     gguf_model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=dtype)
     config = _clean_config(gguf_model.config.to_dict(), has_output, dtype, name)
     model = _plain_model(gguf_model, config)
     del gguf_model  # its tensors now live in `model`; drop the quantizer wrapper before saving
 
     eos_ids = _set_generation(model, tok, name)
-    _log(f"  saving HF-format checkpoint ({dtype}) ...", quiet)
+    log(f"  saving HF-format checkpoint ({dtype}) ...")
     _save(model, tok, out)
     return {
-        "model": DEFAULT_MODEL,
         "gguf_tensor_types": types,
         "saved_dtype": str(dtype).removeprefix("torch."),
         "tie_word_embeddings": config.tie_word_embeddings,

@@ -7,12 +7,15 @@ slice this rank owns (safetensors slices are memory-mapped reads).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from models.config import ModelConfig
@@ -33,6 +36,18 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> N
                 new.weight_loader = getattr(param, "weight_loader", load_replicated)  # type: ignore[attr-defined]
                 done[id(param)] = new
             module._parameters[name] = done[id(param)]
+
+
+@contextlib.contextmanager
+def open_checkpoint(file: Path) -> Iterator[Any]:
+    """``safe_open`` on the CPU; a damaged file (a cut download, a full disk) fails with one error naming it."""
+    try:
+        handle = safe_open(str(file), framework="pt", device="cpu")
+    except SafetensorError as exc:
+        raise ValueError(f"checkpoint file {file} is damaged or incomplete ({exc}); "
+                         "download or write it again") from None
+    with handle as f:
+        yield f
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -64,7 +79,7 @@ def load_model(
     filled: set[str] = set()
     with torch.no_grad():
         for file in files:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
+            with open_checkpoint(file) as f:
                 for ckpt_name in f.keys():
                     target = _target_param(ckpt_name, model)
                     if target is None:
@@ -85,7 +100,7 @@ def checkpoint_index(files: list[Path]) -> dict[str, tuple[str, tuple[int, ...]]
     """Every tensor in the checkpoint files: name -> (file name, shape), read from the headers only."""
     index: dict[str, tuple[str, tuple[int, ...]]] = {}
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with open_checkpoint(file) as f:
             for name in f.keys():
                 index[name] = (file.name, tuple(f.get_slice(name).get_shape()))
     return index

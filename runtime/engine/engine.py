@@ -21,7 +21,7 @@ import torch
 from models import add_norm, gemv, invariant_linear
 from models.config import ModelConfig
 from models.context import ForwardContext
-from models.ops import FLASHINFER_KERNELS, TORCH_KERNELS
+from models.ops import FLASHINFER_KERNELS, GPU_EXTRA, TORCH_KERNELS, flashinfer_installed
 from models.weights.default_model import resolve_model_path
 from models.weights.loader import load_model
 from parallel.custom_all_reduce import make_custom_all_reduce
@@ -32,10 +32,10 @@ from runtime.batch import Batch
 from runtime.config import RuntimeConfig
 from runtime.engine.attention import make_attention_backend
 from runtime.engine.decode_inputs import gather_torch
-from runtime.engine.kv_cache import DUMMY_PAGE, KVCache, compute_num_pages, page_bytes
+from runtime.engine.kv_cache import KVCache, compute_num_pages, page_bytes
 from runtime.engine.logprobs import LogprobPlan, LogprobsOutput, compute_logprobs, plan_logprobs
 from runtime.engine.sampler import Sampler
-from runtime.utils import concat_ranges, host_to_device
+from runtime.utils import DUMMY_PAGE, concat_ranges, host_to_device
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,10 @@ class Engine:
         self.tp_size = get_tp().size
         self.dummy_row = self.max_running  # the extra last row: padding and discarded samples
 
-        use_fi = on_gpu if cfg.engine.kernels == "auto" else cfg.engine.kernels == "flashinfer"
+        use_fi = on_gpu and flashinfer_installed() if cfg.engine.kernels == "auto" else cfg.engine.kernels == "flashinfer"
+        if on_gpu and not use_fi and cfg.engine.kernels == "auto":
+            log.warning("flashinfer is not installed: the GPU runs torch's kernels, without CUDA graphs (slow); "
+                        "install the GPU extra: %s", GPU_EXTRA)
         if use_fi and not on_gpu:
             raise ValueError("engine.kernels=flashinfer needs a CUDA device")
         kernels = FLASHINFER_KERNELS if use_fi else TORCH_KERNELS

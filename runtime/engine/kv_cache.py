@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import torch
 
-DUMMY_PAGE = 0
-
 
 def page_bytes(num_layers: int, num_kv_heads_local: int, head_dim: int, page_size: int, dtype: torch.dtype) -> int:
     """Bytes of one page across all layers: K and V, this rank's KV heads."""

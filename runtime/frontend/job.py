@@ -111,12 +111,12 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: list[JobRow]) -> 
     latencies: list[float] = []  # claim to result, per row
     claimed: dict[str, tuple[JobRow, float]] = {}  # by the row's id, which is also its item key (its noise)
     start = time.perf_counter()
-    bar = _progress(len(todo) if replicas.count == 1 else None, job.progress and replicas.first)
+    bar = _progress(len(todo), job.progress and replicas.first)
 
     def record_error(row: JobRow, message: str) -> None:
         errors.write({"id": row.id, "line": row.line, "key": row.key, "error": message})
         counts["errors"] += 1
-        bar.update(1)
+        bar.update(replicas.finished() - bar.n)  # every replica's rows (the bar is on replica 0)
 
     def on_result(key: str, output: Any) -> None:
         row, claimed_at = claimed.pop(key)
@@ -128,7 +128,7 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: list[JobRow]) -> 
         counts["input_tokens"] += output.prompt_tokens
         counts["output_tokens"] += output.total_completion_tokens
         latencies.append(round(time.perf_counter() - claimed_at, 4))
-        bar.update(1)
+        bar.update(replicas.finished() - bar.n)  # every replica's rows (the bar is on replica 0)
         bar.set_postfix(tok_s=f"{counts['output_tokens'] / max(time.perf_counter() - start, 1e-9):.0f}")
 
     def take(want: int) -> list[tuple[JobRow, Any, Any]] | None:
@@ -153,7 +153,7 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: list[JobRow]) -> 
     tp = get_tp()
     first_rank = replicas.index * tp.size
     return {
-        "replica": replicas.index, "ranks": [first_rank, first_rank + tp.size - 1], **counts,
+        "replica": replicas.index, "ranks": list(range(first_rank, first_rank + tp.size)), **counts,
         "busy_s": time.perf_counter() - start, "interrupted": llm.interrupted, "latencies": latencies,
     }
 

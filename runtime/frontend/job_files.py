@@ -100,7 +100,8 @@ def _parse_row(line: str, line_no: int, defaults: SamplingParams, chat_template:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
-        return JobRow(line_no, None, error=f"line {line_no} is not valid JSON: {exc.msg} at column {exc.colno}")
+        reason = exc.msg.removesuffix(" at")  # json's "Invalid control character at" already ends in "at"
+        return JobRow(line_no, None, error=f"line {line_no} is not valid JSON: {reason} at column {exc.colno}")
     except (ValueError, RecursionError) as exc:  # an integer over 4,300 digits, nesting deeper than the stack
         return JobRow(line_no, None, error=f"line {line_no} cannot be read: {str(exc).splitlines()[0][:200]}")
     if not isinstance(row, dict):

@@ -42,6 +42,10 @@ def quiet_garbage_collector() -> None:
     the model load are frozen (never scanned again) and young collections run 70x less often.
     """
     gc.freeze()
+    # Frozen objects are never collected, not even at exit, where nanobind would then report Triton's bindings
+    # as leaked (dozens of lines on stderr): unfreeze before the interpreter's last collection.
+    atexit.unregister(gc.unfreeze)
+    atexit.register(gc.unfreeze)
     young, *older = gc.get_threshold()
     if young < GC_YOUNG_THRESHOLD:
         gc.set_threshold(GC_YOUNG_THRESHOLD, *older)
@@ -159,6 +163,19 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")
         return self.run([(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))])
+
+    def chat(
+        self, conversations: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Replies to one conversation (a list of ``{"role", "content"}`` messages) or to a list of them,
+        through the model's chat template; ``generate`` sends plain strings as they are."""
+        if isinstance(conversations, list) and conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        for conversation in conversations:
+            if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
+                raise TypeError("chat takes a conversation (a list of {'role', 'content'} dicts) or a list of them")
+        return self.generate(list(conversations), sampling_params)
 
     def run(
         self, items: Sequence[Item] | ItemSource, on_result=None, on_batch=None  # noqa: ANN001

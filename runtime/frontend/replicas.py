@@ -23,6 +23,7 @@ from runtime.frontend.signals import Drain
 
 BARRIER_GRACE_S = 10.0  # after a drain's timeout, how long a barrier still waits for the other replicas
 DRAIN_POLL_S = 0.5  # how often a replica looks for another replica's drain request
+PROGRESS_PUSH_S = 0.5  # how often a replica adds its finished rows to the shared count (one store call)
 _jobs_started = 0  # every leader runs the same jobs in the same order: the n-th job's keys are shared
 
 
@@ -40,6 +41,8 @@ class Replicas:
         self._claimed = 0  # one replica: the local counter
         self._drain_published = False
         self._last_poll = 0.0
+        self._finished = self._pushed = self._finished_all = 0  # rows: here, here and shared, every replica's
+        self._last_push = float("-inf")
 
     @property
     def first(self) -> bool:
@@ -59,6 +62,19 @@ class Replicas:
         end = self.store.add(f"{self.prefix}/next", count)
         self._claimed = end  # everyone's claims so far, as of now
         return range(min(end - count, total), min(end, total))
+
+    def finished(self, count: int = 1) -> int:
+        """Count ``count`` rows finished by this replica; returns the rows every replica finished so far, for
+        the progress bar (the others' counts arrive every ``PROGRESS_PUSH_S`` at most)."""
+        self._finished += count
+        if self.store is None:
+            return self._finished
+        now = time.monotonic()
+        if now - self._last_push >= PROGRESS_PUSH_S:
+            self._last_push = now
+            self._finished_all = self.store.add(f"{self.prefix}/finished", self._finished - self._pushed)
+            self._pushed = self._finished
+        return self._finished_all + self._finished - self._pushed
 
     def share_drain(self, drain: Drain) -> None:
         """``Drain.sync`` while a job runs: this replica's signal to the others, theirs to this one (polled at

@@ -15,7 +15,16 @@ def load_tokenizer(model_dir: Path) -> Any | None:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    # Passed explicitly: left unset, some transformers versions warn about its default on every load.
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True,
+                                         clean_up_tokenization_spaces=clean_up_tokenization_spaces(model_dir))
+
+
+def clean_up_tokenization_spaces(model_dir: Path) -> bool:
+    """The model's own setting from tokenizer_config.json; False (transformers' current default) without one."""
+    config = model_dir / "tokenizer_config.json"
+    value = json.loads(config.read_text()).get("clean_up_tokenization_spaces") if config.is_file() else None
+    return bool(value) if value is not None else False
 
 
 def eos_token_ids(model_dir: Path, tokenizer: Any) -> set[int]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runtime.engine.kv_cache import DUMMY_PAGE
+from runtime.utils import DUMMY_PAGE
 
 
 class PageAllocator:

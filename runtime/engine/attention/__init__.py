@@ -37,7 +37,9 @@ def make_attention_backend(
     ``deterministic``: kernels whose result for a token does not depend on the batch or the chunking."""
     on_gpu = page_table.device.type == "cuda"
     if name == "auto":
-        name = "flashinfer" if on_gpu else "torch"
+        from models.ops import flashinfer_installed
+
+        name = "flashinfer" if on_gpu and flashinfer_installed() else "torch"
     if name == "flashinfer":
         if not on_gpu:
             raise ValueError("engine.attention_backend=flashinfer needs a CUDA device")

@@ -75,9 +75,9 @@ class FlashInferBackend:
         self, kv_cache: KVCache, page_table: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim: int,
         dtype: torch.dtype, deterministic: bool = False,
     ) -> None:
-        import flashinfer
+        from models.ops import import_flashinfer
 
-        self.fi = flashinfer
+        self.fi = import_flashinfer()
         self.kv_cache = kv_cache
         self.page_table = page_table
         self.device = page_table.device
@@ -85,7 +85,7 @@ class FlashInferBackend:
         self.dtype = dtype
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.cuda_cores_allowed = num_qo_heads // num_kv_heads in CUDA_CORE_GROUP_SIZES
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=PREFILL_BACKEND)
+        self.prefill = self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=PREFILL_BACKEND)
         # Eager decode (graphs off, or a batch above the largest graph): both kernels, chosen per batch size
         # by the same rule as the graphs.
         self.decode = {tc: self._decode_wrapper(tc) for tc in (False, True)}

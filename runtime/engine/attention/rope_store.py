@@ -60,9 +60,9 @@ def rope_and_store(
     tokens, heads, dim = q.shape
     kv_heads = kv.shape[2]
     if triton is None:
-        import flashinfer
+        from models.ops import import_flashinfer
 
-        flashinfer.rope.apply_rope_with_cos_sin_cache_inplace(
+        import_flashinfer().rope.apply_rope_with_cos_sin_cache_inplace(
             positions, q.view(tokens, -1), kv[:, 0].view(tokens, -1), dim, cos_sin, is_neox=True
         )
         kv_cache.store(layer, out_loc, kv)

@@ -1,0 +1,32 @@
+"""How replicas share a job's progress through the store (in one process, on a HashStore)."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from runtime.frontend import replicas as replicas_module
+from runtime.frontend.replicas import Replicas
+
+
+def _replica(index: int, count: int, store: dist.Store) -> Replicas:
+    r = Replicas()
+    r.index, r.count, r.store, r.prefix = index, count, store, "job"  # every leader's n-th job: one prefix
+    return r
+
+
+def test_one_replica_counts_its_own_rows() -> None:
+    r = Replicas()
+    assert r.store is None and [r.finished() for _ in range(3)] == [1, 2, 3]
+
+
+def test_finished_rows_are_counted_over_every_replica(monkeypatch) -> None:
+    store = dist.HashStore()
+    first, second = _replica(0, 2, store), _replica(1, 2, store)
+    assert second.finished(3) == 3
+    assert first.finished() == 4  # its own row and the other replica's three
+    monkeypatch.setattr(replicas_module, "PROGRESS_PUSH_S", 3600.0)
+    assert second.finished(2) == 5  # not pushed: its own rows at once, the other's as of its last push
+    assert first.finished() == 5
+    monkeypatch.setattr(replicas_module, "PROGRESS_PUSH_S", 0.0)
+    first.finished(0), second.finished(0)  # both push what they hold
+    assert first.finished(0) == second.finished(0) == 7
