@@ -3,6 +3,7 @@
     python launch.py                                   # configs/default.yaml: built-in prompts
     python launch.py --config my.yaml cache.page_size=1
     python launch.py --nproc-per-node 3 job.input=rows.jsonl job.output=out.jsonl   # starts torchrun itself
+    python launch.py --sweep-file configs/sweeps/example.yaml   # an experiment sweep (runtime/frontend/sweep.py)
     torchrun --nproc-per-node 3 launch.py job.input=rows.jsonl job.output=out.jsonl
     torchrun --nproc-per-node 8 launch.py parallel.tp_size=2 job.input=rows.jsonl job.output=out.jsonl  # DP 4 x TP 2
 
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runtime.config import ConfigError, RuntimeConfig, load_config, to_yaml
+from runtime.frontend import sweep
 
 if TYPE_CHECKING:
     from runtime.frontend.llm import LLM
@@ -39,7 +41,9 @@ log = logging.getLogger("tpinfer")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="tpinfer: tensor-parallel offline inference for Llama-family models")
+    parser = argparse.ArgumentParser(description="tpinfer: tensor-parallel offline inference for Llama-family models",
+                                     epilog="experiment sweeps: --sweep-file FILE, or --sweep key=a,b ... "
+                                            "(python launch.py --sweep --help)")
     parser.add_argument("--config", action="append", default=None, help="YAML config (repeatable; merged in order)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
@@ -146,7 +150,10 @@ def report_peak_memory(rank: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if sweep.requested(argv):  # --sweep, --sweep-file, --collect: the sweep module reads the whole command line
+        return sweep.main(argv, script=str(Path(__file__).resolve()), configure_threads=configure_cpu_threads)
+    args = parse_args(argv)
     try:
         cfg = load_config(args.config or [DEFAULT_CONFIG], args.overrides)
     except ConfigError as exc:

@@ -27,6 +27,13 @@ PROGRESS_PUSH_S = 0.5  # how often a replica adds its finished rows to the share
 _jobs_started = 0  # every leader runs the same jobs in the same order: the n-th job's keys are shared
 
 
+def number_next_job(number: int) -> None:
+    """The next job's number, for callers that run several jobs on ranks that did not all start each one
+    (a sweep whose TP workers of one run are leaders of another): every rank then names the same store keys."""
+    global _jobs_started
+    _jobs_started = number - 1
+
+
 class Replicas:
     def __init__(self, keepalive: Callable[[], None] = lambda: None, drain: Drain | None = None,
                  drain_timeout_s: float = 0.0) -> None:

@@ -1,0 +1,456 @@
+"""Experiment sweeps: one base config, some keys varied, one run per combination, one results table.
+
+    python launch.py --sweep-file configs/sweeps/example.yaml      # every run, then results.csv / .md / .png
+    python launch.py --sweep sampling.temperature=0,0.7 job.input=rows.jsonl   # key=a,b: a grid axis
+    python launch.py --sweep-file sweep.yaml --list                # the runs, their folders and states
+    python launch.py --sweep-file sweep.yaml --collect             # only assemble the results
+    python launch.py --sweep-file sweep.yaml --only-run 3          # one run (a Slurm array task)
+    python launch.py --nproc-per-node 4 --sweep-file sweep.yaml    # every run over 4 ranks (DP x TP)
+
+The sweep file's format is in ``runtime/frontend/sweep_plan.py``. Every run's config is validated before
+the first run starts. Runs go one after another in this process, each in its own folder under ``out``
+(``output.jsonl``, ``errors.jsonl``, ``metrics.json``, ``output.config.yaml``, ``run.json``). A run whose
+``run.json`` says done is skipped; any other is (re)run through the job's own resume, so a run killed
+half-way keeps its finished rows. Consecutive runs that differ only in ``sampling.*`` / ``job.*`` share
+the loaded model. A failed run is recorded with its error and the sweep goes on (with one process; with
+several, the sweep stops, since the other ranks' state is unknown). A drain signal ends the sweep after
+the current run's in-flight rows, with exit code 143, like a job.
+
+Under torchrun every rank walks the same runs: global rank 0 decides which runs are left and writes
+the records; each TP group's first rank leads its replica, the other ranks follow it, run by run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from runtime.config import ConfigError, RuntimeConfig, to_yaml
+from runtime.frontend.sweep_plan import (
+    DONE,
+    FAILED,
+    INTERRUPTED,
+    PENDING,
+    RUNNING,
+    Run,
+    Sweep,
+    check_resumable,
+    load_sweep_file,
+    plan_runs,
+    shorthand_sweep,
+    write_atomic,
+    write_record,
+)
+from runtime.frontend.sweep_results import write_results
+
+if TYPE_CHECKING:
+    from runtime.frontend.llm import LLM
+    from runtime.frontend.signals import Drain
+
+SWEEP_FLAGS = ("--sweep", "--sweep-file", "--collect")
+EXIT_PREEMPTED = 143  # as runtime.frontend.signals: "interrupted, resumable"
+log = logging.getLogger("tpinfer.sweep")
+
+
+@dataclass
+class SweepStats:
+    """What this process did; ``loads`` counts model loads (engine reuse keeps it low)."""
+
+    runs: int = 0
+    skipped: int = 0
+    done: int = 0
+    failed: int = 0
+    interrupted: int = 0
+    loads: int = 0
+    reused: int = 0
+    load_s: float = 0.0
+
+
+last_stats: SweepStats | None = None  # the latest sweep's counts, for callers of main()
+
+
+# ---- command line --------------------------------------------------------------------------------------------
+def requested(argv: list[str]) -> bool:
+    """Whether ``argv`` asks for a sweep (launch.py hands such command lines to ``main``)."""
+    return any(a.split("=", 1)[0] in SWEEP_FLAGS for a in argv)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    # torchrun reads the options of the script it starts as abbreviations of its own (``--run`` would be
+    # ``--run-path``): no flag here may begin one of torchrun's options.
+    parser = argparse.ArgumentParser(prog="launch.py", allow_abbrev=False,
+                                     description="tpinfer experiment sweeps (runtime/frontend/sweep.py)")
+    parser.add_argument("--sweep-file", metavar="FILE", help="a sweep file (base, overrides, grid, zip, name, out)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="overrides with comma-separated values (key=a,b) are grid axes")
+    parser.add_argument("--collect", action="store_true", help="only assemble results.csv/.md/.png from the folders")
+    parser.add_argument("--list", action="store_true", help="print the runs, their folders and states, and exit")
+    parser.add_argument("--only-run", type=int, metavar="N",
+                        help="only run N (1-based, as --list numbers them; a Slurm array task's id)")
+    parser.add_argument("--out", help="the sweep's folder for --sweep (default: outputs/sweep-<hash of the arguments>)")
+    parser.add_argument("--name", help="run folder template for --sweep, e.g. 't{sampling.temperature}'")
+    parser.add_argument("--config", action="append", default=None, help="YAML config (repeatable; merged in order)")
+    parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N", help="run every run over N ranks")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides (and key=a,b axes with --sweep)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str], script: str | None = None, configure_threads: Callable[[int], None] | None = None) -> int:
+    """Run, list or collect a sweep; returns the exit code (2: a bad sweep, 143: drained, 1: a run failed).
+
+    ``script``: what torchrun starts for ``--nproc-per-node`` (launch.py). ``configure_threads(local ranks)``
+    runs before torch is imported."""
+    args = parse_args(argv)
+    if configure_threads is not None:
+        configure_threads(args.nproc_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    only_files = args.collect or args.list
+    world = None if only_files else args.nproc_per_node or int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        sweep = build_sweep(args)
+        runs = plan_runs(sweep, world)
+        if args.only_run is not None and not 1 <= args.only_run <= len(runs):
+            raise ConfigError(f"--only-run {args.only_run}: the sweep has runs 1 to {len(runs)}")
+        if not args.collect:
+            for run in runs:
+                check_resumable(run)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.collect:
+        for path in write_results(sweep, runs):
+            print(path)
+        return 0
+    if args.list:
+        print_plan(sweep, runs, args)
+        return 0
+    if args.nproc_per_node is not None:
+        return start_ranks(args, script)
+    return execute(sweep, runs, args.only_run)
+
+
+def build_sweep(args: argparse.Namespace) -> Sweep:
+    configs = args.config or []
+    if args.sweep_file:
+        plain = args.overrides if not args.sweep else []
+        sweep = load_sweep_file(args.sweep_file, configs, plain)
+        if args.sweep:  # axes on the command line join the file's grid
+            extra = shorthand_sweep([], args.overrides)
+            clash = set(extra.grid) & set(sweep.swept)
+            if clash:
+                raise ConfigError(f"--sweep: {sorted(clash)} already swept in {args.sweep_file}")
+            sweep.grid.update(extra.grid)
+            sweep.overrides += extra.overrides
+        return sweep
+    if not args.sweep:
+        raise ConfigError("--collect and --list need the sweep: --sweep-file FILE, or --sweep with the same arguments")
+    return shorthand_sweep(configs, args.overrides, args.out, args.name)
+
+
+def start_ranks(args: argparse.Namespace, script: str | None) -> int:
+    """``--nproc-per-node N``: torchrun starts N ranks of ``script``, each running this sweep."""
+    from parallel.launcher import run_torchrun
+
+    if args.nproc_per_node < 1:
+        print(f"error: --nproc-per-node must be at least 1, got {args.nproc_per_node}", file=sys.stderr)
+        return 2
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        print("error: --nproc-per-node starts the ranks itself; under torchrun leave it out", file=sys.stderr)
+        return 2
+    if script is None:
+        print("error: --nproc-per-node needs the launcher: python launch.py --nproc-per-node N ...", file=sys.stderr)
+        return 2
+    return run_torchrun(args.nproc_per_node, script, forwarded_args(args))
+
+
+def forwarded_args(args: argparse.Namespace) -> list[str]:
+    """The command line every rank gets: this one without --nproc-per-node."""
+    out = [f"--config={c}" for c in args.config or []]
+    out += [f"--sweep-file={args.sweep_file}"] if args.sweep_file else []
+    out += ["--sweep"] if args.sweep else []
+    named = (("only-run", args.only_run), ("out", args.out), ("name", args.name))
+    out += [f"--{flag}={value}" for flag, value in named if value is not None]
+    return out + list(args.overrides)
+
+
+def print_plan(sweep: Sweep, runs: list[Run], args: argparse.Namespace) -> None:
+    for run in runs:
+        status = (run.record() or {}).get("status", PENDING)
+        print(f"{run.index:>3}  {status:<11}  {run.dir}")
+    if args.sweep_file:
+        print(f"as a Slurm array: SWEEP={args.sweep_file} sbatch --array=1-{len(runs)} scripts/slurm/sweep.sbatch")
+
+
+# ---- running ---------------------------------------------------------------------------------------------------
+def execute(sweep: Sweep, runs: list[Run], only: int | None = None) -> int:
+    """Every run not done yet (or only run ``only``), in this process; returns the exit code."""
+    from parallel.distributed import read_torchrun_env, shutdown_distributed
+
+    global last_stats
+    env = read_torchrun_env()
+    logging.basicConfig(level=runs[0].cfg.logging.level,
+                        format=f"%(asctime)s [rank {env.rank}] %(levelname)s %(name)s: %(message)s")
+    stats = last_stats = SweepStats(runs=len(runs))
+    try:
+        code = _Sweeper(sweep, runs, stats, env.rank, env.world_size).run(only)
+    except KeyboardInterrupt:
+        print(f"rank {env.rank}: interrupted (a second Ctrl-C); finished rows are on disk", file=sys.stderr, flush=True)
+        _exit_now(130)
+    except (FileNotFoundError, ValueError, RuntimeError, OSError) as exc:
+        print(f"error on rank {env.rank}: {exc}", file=sys.stderr, flush=True)
+        if env.world_size > 1:  # peers may be stuck in a collective: leave, torchrun ends the others
+            _exit_now(1)
+        return 1
+    shutdown_distributed()
+    return code
+
+
+class _Sweeper:
+    """One process's walk through the runs; every rank of a torchrun job walks the same ones."""
+
+    def __init__(self, sweep: Sweep, runs: list[Run], stats: SweepStats, rank: int, world_size: int) -> None:
+        self.sweep, self.runs, self.stats = sweep, runs, stats
+        self.writer = rank == 0  # global rank 0 (replica 0's leader) writes the records and the results
+        self.world_size = world_size
+        self.tp_size: int | None = None
+        self.jobs = 0  # jobs started, the same count on every rank
+        self.prefix = f"tpinfer/sweep/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+    def run(self, only: int | None) -> int:
+        from runtime.frontend.signals import Drain, restore_default_signals
+
+        drain = Drain()
+        self.join(self.runs[0].cfg)
+        todo = self.agree_on_todo(only)
+        stopped = False
+        try:
+            for g, group in enumerate(self.groups(todo)):
+                tp = self.join(group[0].cfg)  # a rank may lead in one TP layout and follow in another
+                stopped = self.lead(group, drain, g) if tp.rank == 0 else self.follow(group, g)
+                if stopped:
+                    break
+        finally:
+            restore_default_signals()  # after the sweep a SIGTERM ends the process as usual
+        if self.writer:
+            self.finish(only, stopped)
+        if stopped:
+            return EXIT_PREEMPTED
+        return 1 if self.stats.failed else 0
+
+    # -- layout and agreement
+    def join(self, cfg: RuntimeConfig) -> Any:
+        """This rank's place for ``cfg``'s TP size; new process groups only when the TP size changes."""
+        from parallel.distributed import init_distributed
+        from parallel.state import get_tp
+        from runtime.engine.engine import wants_cuda
+
+        if cfg.parallel.tp_size != self.tp_size:
+            init_distributed(wants_cuda(cfg.engine.device), cfg.parallel.timeout_s, tp_size=cfg.parallel.tp_size)
+            self.tp_size = cfg.parallel.tp_size
+        return get_tp()
+
+    def agree_on_todo(self, only: int | None) -> list[Run]:
+        """Global rank 0 decides which runs are left and prepares their folders; every rank gets its list,
+        so no rank sees a run finish that another still counts as to do."""
+        from parallel.state import get_store
+
+        store = get_store()
+        key = f"{self.prefix}/todo"
+        if self.writer:
+            chosen = [r for r in self.runs if only in (None, r.index)]
+            todo = []
+            for run in chosen:
+                if (run.record() or {}).get("status") == DONE:
+                    print(f"run {run.index}/{len(self.runs)} {run.name}: done before, skipped", flush=True)
+                    self.stats.skipped += 1
+                else:
+                    prepare(run)
+                    todo.append(run.index)
+            if store is not None:
+                store.set(key, json.dumps(todo))
+        else:
+            todo = json.loads(store.get(key))
+            self.stats.skipped = len([r for r in self.runs if only in (None, r.index)]) - len(todo)
+        return [self.runs[i - 1] for i in todo]
+
+    def groups(self, todo: list[Run]) -> list[list[Run]]:
+        """Consecutive runs one loaded engine can serve (each run alone with reuse_engine: false)."""
+        groups: list[list[Run]] = []
+        for run in todo:
+            if groups and self.sweep.reuse_engine and groups[-1][-1].engine_key() == run.engine_key():
+                groups[-1].append(run)
+            else:
+                groups.append([run])
+        return groups
+
+    def agree_to_stop(self, local: bool, run: Run) -> bool:
+        """Replicas stop together: any replica's drain stops every one (else a replica would wait in the next
+        run's barrier for replicas that left)."""
+        from parallel.state import get_store, get_tp
+
+        tp = get_tp()
+        if tp.dp_size == 1:
+            return local
+        store = get_store()
+        key = f"{self.prefix}/run{run.index}/stop"
+        store.set(f"{key}/{tp.dp_rank}", "1" if local else "0")
+        return any(store.get(f"{key}/{r}") == b"1" for r in range(tp.dp_size))
+
+    # -- a TP group's first rank
+    def lead(self, group: list[Run], drain: Drain, g: int) -> bool:
+        """Serve ``group``'s runs on one loaded engine; returns whether the sweep stops (a drain)."""
+        from parallel.state import get_store, get_tp
+        from runtime.frontend.llm import LLM
+        from runtime.frontend.signals import install_drain_handlers
+
+        install_drain_handlers(drain)  # before the (long) model load: a signal then still drains cleanly
+        llm: LLM | None = None
+        stopped = False
+        try:
+            for run in group:
+                started, began = time.perf_counter(), _now()
+                self.jobs += 1
+                try:
+                    if llm is None:
+                        llm = LLM(config=run.cfg)
+                        llm.drain = drain
+                        self.stats.loads += 1
+                        loaded = time.perf_counter() - started
+                        self.stats.load_s += loaded
+                    else:
+                        reuse_engine(llm, run.cfg)
+                        self.stats.reused += 1
+                        loaded = 0.0
+                    metrics = self.serve(llm, run)
+                except Exception as exc:  # noqa: BLE001 - a run's failure is recorded; KeyboardInterrupt is not one
+                    self.fail(run, exc, began, time.perf_counter() - started)
+                    if self.world_size > 1:
+                        raise
+                    if llm is not None:  # its state after a failure is unknown: the next run loads afresh
+                        llm.shutdown()
+                        llm = None
+                    continue
+                stopped = self.agree_to_stop(metrics["interrupted"] or drain.requested, run)
+                self.record(run, metrics, began, loaded, time.perf_counter() - started, stopped)
+                if stopped:
+                    break
+        finally:
+            if llm is not None:
+                llm.shutdown()
+        if get_tp().size > 1:  # tell this replica's other ranks whether another group follows
+            get_store().set(f"{self.prefix}/group{g}/replica{get_tp().dp_rank}", "stop" if stopped else "go")
+        return stopped
+
+    def serve(self, llm: LLM, run: Run) -> dict[str, Any]:
+        from runtime.frontend import job, replicas
+
+        if self.writer:
+            record = run.record() or {}
+            write_record(run.dir, {**_record_head(run), "status": RUNNING, "error": "",
+                                   "attempts": record.get("attempts", [])})
+            write_atomic(run.paths.config, to_yaml(run.cfg))  # also there when the job never starts
+        # Replicas name their shared store keys by the job's number; a rank that followed as a TP worker in
+        # earlier runs ran fewer jobs itself, so every rank numbers the sweep's jobs the same way.
+        replicas.number_next_job(self.jobs)
+        return job.run_job(llm, to_yaml(run.cfg))
+
+    def record(self, run: Run, m: dict[str, Any], began: str, load_s: float, wall_s: float, stopped: bool) -> None:
+        status = INTERRUPTED if stopped else DONE
+        self.stats.interrupted += stopped
+        self.stats.done += not stopped
+        if not self.writer:
+            return
+        attempt = {"started": began, "wall_s": round(wall_s, 4), "load_s": round(load_s, 4),
+                   "job_s": round(m["wall_s"], 4), "output_tokens": m["output_tokens"], "completed": m["completed"],
+                   "already_done": m["already_done"], "interrupted": stopped, "engine": "loaded" if load_s else "reused"}
+        before = (run.record() or {}).get("attempts", [])
+        write_record(run.dir, {**_record_head(run), "status": status, "error": "", "attempts": [*before, attempt]})
+        engine = f"model loaded in {load_s:.1f} s" if load_s else "model reused"
+        print(f"run {run.index}/{len(self.runs)} {run.name}: {status}, {m['completed']} rows ({m['already_done']} done "
+              f"before), {m['errors']} errors, {m['output_tokens']} tokens at {m['output_tokens_per_s']:.1f} tokens/s; "
+              f"{engine}", flush=True)
+
+    def fail(self, run: Run, exc: Exception, began: str, wall_s: float) -> None:
+        self.stats.failed += 1
+        message = f"{type(exc).__name__}: {exc}"
+        print(f"run {run.index}/{len(self.runs)} {run.name}: failed: {message}", file=sys.stderr, flush=True)
+        if self.writer:
+            before = (run.record() or {}).get("attempts", [])
+            attempt = {"started": began, "wall_s": round(wall_s, 4), "error": message}
+            write_record(run.dir, {**_record_head(run), "status": FAILED, "error": message,
+                                   "attempts": [*before, attempt]})
+
+    # -- the other ranks of a TP group
+    def follow(self, group: list[Run], g: int) -> bool:
+        """Build this rank's engine and follow the group's first rank until it releases us; then learn from it
+        whether the sweep goes on."""
+        from parallel.state import get_store, get_tp
+        from runtime.frontend.signals import ignore_drain_signals
+        from runtime.worker import run_worker
+
+        ignore_drain_signals()  # the group's first rank decides when to stop
+        run_worker(group[0].cfg)
+        self.jobs += len(group)
+        return get_store().get(f"{self.prefix}/group{g}/replica{get_tp().dp_rank}") == b"stop"
+
+    def finish(self, only: int | None, stopped: bool) -> None:
+        """The results: always at the end of a whole sweep; after one run (an array task) only when every run
+        has finished, so the last task to finish writes the full table."""
+        finished = all((r.record() or {}).get("status") in (DONE, FAILED) for r in self.runs)
+        if only is None or finished:
+            paths = write_results(self.sweep, self.runs)
+            s = self.stats
+            print(f"sweep: {s.runs} runs: {s.done} done, {s.skipped} skipped, {s.failed} failed, {s.interrupted} "
+                  f"interrupted; {s.loads} model loads ({s.load_s:.1f} s), {s.reused} reused -> {paths[0]}", flush=True)
+        if stopped:
+            print(f"interrupted by signal: finished rows are on disk; rerun to complete (exit {EXIT_PREEMPTED})",
+                  file=sys.stderr, flush=True)
+
+
+def reuse_engine(llm: LLM, cfg: RuntimeConfig) -> None:
+    """Serve ``cfg`` on ``llm``'s loaded engine: it differs from the loaded config only in sampling.* and job.*,
+    which are read from ``llm.cfg`` per request and per job. The prefix cache is emptied, so a run measures
+    what a freshly loaded engine would (prompts shared with the previous run are computed again)."""
+    llm.cfg = cfg
+    scheduler = llm.scheduler
+    scheduler.cache.evict(scheduler.allocator.num_pages)
+
+
+def prepare(run: Run) -> None:
+    """Without job.input, the config's prompts as the run's input rows (ids 0, 1, ...), before any rank reads them."""
+    if run.prompts_input:
+        rows = "".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(run.cfg.job.prompts))
+        path = Path(run.cfg.job.input)
+        if not path.is_file() or path.read_text() != rows:
+            write_atomic(path, rows)
+
+
+def _record_head(run: Run) -> dict[str, Any]:
+    return {"index": run.index, "name": run.name, "swept": run.swept_values(), "config": run.identity()}
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _exit_now(code: int) -> None:
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1:])
+    import gc
+
+    gc.unfreeze()  # as launch.py: LLM froze what the model load left alive; collected before exit, quietly
+    sys.exit(code)

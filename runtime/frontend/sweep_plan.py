@@ -1,0 +1,407 @@
+"""What a sweep is: its file (or command-line shorthand), its runs and their folders, each run's record.
+
+A sweep file::
+
+    base: configs/default.yaml            # one or more config files, merged in order
+    overrides: [job.input=rows.jsonl]     # key=value for every run
+    grid:                                 # the cartesian product
+      sampling.temperature: [0.0, 0.7]
+      model.path: [/models/a, /models/b]
+    zip:                                  # lists advanced together, crossed with the grid
+      sampling.max_new_tokens: [256, 1024]
+      cache.page_size: [16, 64]
+    name: "{model.path.name}-t{sampling.temperature}"   # run folder (default: the swept key=value pairs)
+    out: runs/my-sweep
+    metrics: [latency_s.p50]              # extra results columns, read from each run's metrics.json
+    plot: {x: sampling.temperature, y: tokens_per_s}
+    reuse_engine: true                    # runs that differ only in sampling.* / job.* share the loaded model
+
+Every run's config is built and validated here, before anything runs. Nothing in this module imports torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import itertools
+import json
+import os
+import re
+import string
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+
+from runtime.config import ConfigError, RuntimeConfig, load_config
+from runtime.frontend.job_files import JobPaths
+
+DEFAULT_BASE = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
+SWEEP_KEYS = ("base", "overrides", "grid", "zip", "name", "out", "metrics", "plot", "reuse_engine")
+# Set per run by the sweep: a sweep over them would point every run at one file.
+PER_RUN_KEYS = ("job.output", "job.errors", "job.metrics")
+# Sections a loaded engine does not read: runs that differ only there can share it.
+REUSABLE_SECTIONS = ("sampling", "job")
+# Keys that change neither a run's rows nor its measurements: a rerun may change them and still resume.
+NOT_IDENTITY = ("job.progress", "job.fsync_every_s", "job.drain_timeout_s", "logging.level", "parallel.timeout_s")
+RESULT_COLUMNS = ("status", "rows", "errors", "output_tokens", "tokens_per_s", "wall_s", "load_s")
+RECORD = "run.json"
+DONE, FAILED, INTERRUPTED, RUNNING, PENDING = "done", "failed", "interrupted", "running", "pending"
+_UNSAFE = re.compile(r"[^A-Za-z0-9._=,+-]+")
+
+
+@dataclass
+class PlotSpec:
+    x: str | None = None  # a swept key (default: the first swept key)
+    y: str = "tokens_per_s"  # a results column or a named metric
+
+
+@dataclass
+class Sweep:
+    source: str  # the sweep file, or "--sweep", for messages
+    base: list[str]
+    overrides: list[str]
+    grid: dict[str, list[str]]  # key -> each value as override text
+    zip: dict[str, list[str]]
+    out: Path
+    name: str | None = None
+    metrics: list[str] = field(default_factory=list)
+    plot: PlotSpec = field(default_factory=PlotSpec)
+    reuse_engine: bool = True
+
+    @property
+    def swept(self) -> list[str]:
+        return [*self.grid, *self.zip]
+
+
+@dataclass
+class Run:
+    index: int  # 1-based, in execution order (a Slurm array task runs the run of its task id)
+    name: str
+    point: dict[str, str]  # swept key -> the override text of its value
+    cfg: RuntimeConfig
+    dir: Path
+
+    @property
+    def paths(self) -> JobPaths:
+        return JobPaths.from_config(self.cfg.job)
+
+    @property
+    def prompts_input(self) -> bool:
+        """No job.input in the config: the run serves job.prompts, written to its folder as rows."""
+        return Path(self.cfg.job.input) == self.dir / "input.jsonl"
+
+    def swept_values(self) -> dict[str, Any]:
+        node = OmegaConf.structured(self.cfg)
+        return {key: OmegaConf.select(node, key) for key in self.point}
+
+    def engine_key(self) -> str:
+        """Equal for two runs exactly when one loaded engine can serve both."""
+        flat = flatten(OmegaConf.to_container(OmegaConf.structured(self.cfg)))
+        return json.dumps({k: v for k, v in flat.items() if k.split(".")[0] not in REUSABLE_SECTIONS}, sort_keys=True)
+
+    def identity(self) -> dict[str, Any]:
+        flat = flatten(OmegaConf.to_container(OmegaConf.structured(self.cfg)))
+        return {k: v for k, v in flat.items() if k not in NOT_IDENTITY}
+
+    def record(self) -> dict[str, Any] | None:
+        return read_record(self.dir)
+
+
+# ---- the sweep file and the shorthand --------------------------------------------------------------------
+def load_sweep_file(path: str | Path, extra_configs: Sequence[str] = (), extra_overrides: Sequence[str] = ()) -> Sweep:
+    """A sweep file; ``extra_configs`` merge after its base, ``extra_overrides`` apply after its overrides."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"sweep file {file} does not exist")
+    try:
+        spec = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"sweep file {file} is not valid YAML: {exc}") from None
+    if not isinstance(spec, dict):
+        raise ConfigError(f"sweep file {file} must hold a mapping (base, grid, zip, ...), not {type(spec).__name__}")
+    src = str(file)
+    for key in spec:
+        if key not in SWEEP_KEYS:
+            near = difflib.get_close_matches(str(key), SWEEP_KEYS, n=1)
+            raise ConfigError(f"{src}: unknown sweep key '{key}'" + (f"; did you mean '{near[0]}'?" if near else "")
+                              + f" (sweep keys: {', '.join(SWEEP_KEYS)})")
+    base = _str_list(spec.get("base", []), f"{src}: 'base'")
+    overrides = _str_list(spec.get("overrides", []), f"{src}: 'overrides'")
+    out = spec.get("out")
+    if not isinstance(out, str) or not out:
+        raise ConfigError(f"{src}: 'out' (the sweep's folder) must be set to a path")
+    reuse = spec.get("reuse_engine", True)
+    if not isinstance(reuse, bool):
+        raise ConfigError(f"{src}: 'reuse_engine' must be true or false, not {reuse!r}")
+    name = spec.get("name")
+    if name is not None and not isinstance(name, str):
+        raise ConfigError(f"{src}: 'name' must be a string template such as \"{{model.path.name}}-t{{sampling.temperature}}\"")
+    return Sweep(
+        source=src, base=base + list(extra_configs), overrides=overrides + list(extra_overrides),
+        grid=_axes(spec.get("grid"), f"{src}: 'grid'"), zip=_axes(spec.get("zip"), f"{src}: 'zip'"),
+        out=Path(out), name=name, metrics=_str_list(spec.get("metrics", []), f"{src}: 'metrics'"),
+        plot=_plot(spec.get("plot"), src), reuse_engine=reuse,
+    )
+
+
+def shorthand_sweep(configs: list[str], items: list[str], out: str | None = None, name: str | None = None) -> Sweep:
+    """``--sweep key=a,b key2=c ...``: a value list with top-level commas is a grid axis, anything else an override."""
+    grid: dict[str, list[str]] = {}
+    overrides: list[str] = []
+    for item in items:
+        key, sep, text = item.partition("=")
+        values = split_top_level(text) if sep else []
+        if sep and key and len(values) > 1:
+            if key in grid:
+                raise ConfigError(f"--sweep: key '{key}' is given twice")
+            grid[key] = values
+        else:
+            overrides.append(item)  # load_config reports a malformed item, naming it
+    if out is None:  # the same command gets the same folder, so a rerun resumes
+        digest = hashlib.sha256(json.dumps([configs, overrides, grid]).encode()).hexdigest()[:8]
+        out = f"outputs/sweep-{digest}"
+    return Sweep(source="--sweep", base=list(configs), overrides=overrides, grid=grid, zip={}, out=Path(out), name=name)
+
+
+def split_top_level(text: str) -> list[str]:
+    """'a,b' -> ['a', 'b']; commas inside brackets, braces or quotes stay: '[1,2],"x,y"' -> ['[1,2]', '"x,y"']."""
+    parts, depth, quote, start = [], 0, "", 0
+    for i, ch in enumerate(text):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
+
+
+def _str_list(value: Any, what: str) -> list[str]:
+    value = [value] if isinstance(value, str) else value
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{what} must be a string or a list of strings, not {value!r}")
+    return value
+
+
+def _axes(value: Any, what: str) -> dict[str, list[str]]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what} must map config keys to lists of values, not {type(value).__name__}")
+    axes = {}
+    for key, values in value.items():
+        if not isinstance(values, list):
+            raise ConfigError(f"{what}: '{key}' must be a list of values, not {values!r}")
+        if not values:
+            raise ConfigError(f"{what}: '{key}' has no values")
+        axes[str(key)] = [_override_text(v) for v in values]
+    return axes
+
+
+def _override_text(value: Any) -> str:
+    """A YAML value as the text of a key=value override that reads back as the same value (JSON is YAML)."""
+    return json.dumps(value)
+
+
+def _plot(value: Any, src: str) -> PlotSpec:
+    if value is None:
+        return PlotSpec()
+    if not isinstance(value, dict) or set(value) - {"x", "y"}:
+        raise ConfigError(f"{src}: 'plot' must be a mapping with 'x' (a swept key) and/or 'y' (a results column)")
+    return PlotSpec(x=value.get("x"), y=value.get("y", "tokens_per_s"))
+
+
+# ---- the runs ----------------------------------------------------------------------------------------------
+def plan_runs(sweep: Sweep, world_size: int | None = 1) -> list[Run]:
+    """Every run, its config validated against the schema; raises ConfigError naming the first problem.
+    ``world_size``: the ranks every run will have, to check ``parallel.tp_size`` (None: not checked)."""
+    _check_axes(sweep)
+    default_base = [DEFAULT_BASE] if DEFAULT_BASE.is_file() else []
+    runs = []
+    for point in points(sweep):
+        described = " ".join(f"{k}={v}" for k, v in point.items())
+        try:
+            cfg = load_config(sweep.base or default_base, [*sweep.overrides, *(f"{k}={v}" for k, v in point.items())])
+        except ConfigError as exc:
+            raise ConfigError(f"{sweep.source}: run {described}: {str(exc).splitlines()[0]}") from None
+        _check_layout(cfg, world_size, f"{sweep.source}: run {described}")
+        runs.append(Run(0, "", point, cfg, sweep.out))
+    if sweep.reuse_engine:  # runs that share an engine next to each other; otherwise the written order
+        first_seen: dict[str, int] = {}
+        runs.sort(key=lambda r: first_seen.setdefault(r.engine_key(), len(first_seen)))
+    for i, run in enumerate(runs, 1):
+        run.index, run.name = i, run_name(sweep, run)
+        run.dir = sweep.out / run.name
+        _place(run, sweep.source)
+    _check_unique(runs, sweep.source)
+    _check_results_spec(sweep)
+    return runs
+
+
+def points(sweep: Sweep) -> list[dict[str, str]]:
+    """The grid's cartesian product (first key slowest), each crossed with every zip position."""
+    grid = [dict(zip(sweep.grid, combo)) for combo in itertools.product(*sweep.grid.values())]
+    zipped = [dict(zip(sweep.zip, values)) for values in zip(*sweep.zip.values())] if sweep.zip else [{}]
+    return [{**g, **z} for g in grid for z in zipped]
+
+
+def _check_axes(sweep: Sweep) -> None:
+    if not sweep.grid and not sweep.zip:
+        raise ConfigError(f"{sweep.source}: the sweep has no runs: 'grid' and 'zip' are both empty")
+    lengths = {key: len(values) for key, values in sweep.zip.items()}
+    if len(set(lengths.values())) > 1:
+        raise ConfigError(f"{sweep.source}: 'zip' lists advance together and must have one length; got {lengths}")
+    both = set(sweep.grid) & set(sweep.zip)
+    if both:
+        raise ConfigError(f"{sweep.source}: {sorted(both)} in both 'grid' and 'zip'")
+    fixed = [k for k in sweep.swept if k in PER_RUN_KEYS]
+    if fixed:
+        raise ConfigError(f"{sweep.source}: {fixed} cannot be swept: every run writes its own files in its folder")
+
+
+def _check_layout(cfg: RuntimeConfig, world_size: int | None, where: str) -> None:
+    if world_size is None:
+        return
+    tp = cfg.parallel.tp_size or world_size
+    if world_size % tp:
+        raise ConfigError(f"{where}: parallel.tp_size={cfg.parallel.tp_size} does not divide the world size "
+                          f"{world_size} (the world is DP replicas x TP ranks)")
+
+
+def _place(run: Run, source: str) -> None:
+    """Point the run's job files into its folder; a run without job.input serves job.prompts from input.jsonl."""
+    job = run.cfg.job
+    if job.input is None:
+        job.input = str(run.dir / "input.jsonl")
+    elif not Path(job.input).is_file():
+        raise ConfigError(f"{source}: run {run.name}: config key 'job.input'={job.input} does not exist")
+    job.output, job.errors, job.metrics = (str(run.dir / f) for f in ("output.jsonl", "errors.jsonl", "metrics.json"))
+    run.paths.check_distinct()  # job.input inside the run's own folder, on top of one of its files
+
+
+def _check_unique(runs: list[Run], source: str) -> None:
+    seen: dict[str, Run] = {}
+    for run in runs:
+        if run.name in seen:
+            raise ConfigError(f"{source}: runs {seen[run.name].index} and {run.index} would share the folder "
+                              f"'{run.name}': put the keys that differ into 'name'")
+        seen[run.name] = run
+
+
+def _check_results_spec(sweep: Sweep) -> None:
+    if sweep.plot.x is not None and sweep.plot.x not in sweep.swept:
+        raise ConfigError(f"{sweep.source}: plot x '{sweep.plot.x}' is not a swept key ({', '.join(sweep.swept)})")
+    columns = [*RESULT_COLUMNS, *sweep.metrics]
+    if sweep.plot.y not in columns:
+        raise ConfigError(f"{sweep.source}: plot y '{sweep.plot.y}' is not a results column ({', '.join(columns)}); "
+                          "name a metrics.json key under 'metrics' to plot it")
+
+
+def check_resumable(run: Run) -> None:
+    """A folder left by a run of another config must not be skipped or resumed as if it were this run's."""
+    record = run.record()
+    if record is None or "config" not in record:
+        return
+    now, before = run.identity(), record["config"]
+    changed = sorted(k for k in now.keys() | before.keys() if now.get(k) != before.get(k))
+    if changed:
+        raise ConfigError(f"run {run.index} ({run.dir}) holds a run of another config (keys that differ: "
+                          f"{', '.join(changed[:5])}): use another 'out', or delete the folder to run it again")
+
+
+# ---- names -------------------------------------------------------------------------------------------------
+def run_name(sweep: Sweep, run: Run) -> str:
+    if sweep.name is None:
+        return safe_name(default_name(run.swept_values()))
+    node = OmegaConf.to_container(OmegaConf.structured(run.cfg))
+    try:
+        text = _ConfigFormatter(node).format(sweep.name)
+    except (KeyError, AttributeError, ValueError, IndexError) as exc:
+        raise ConfigError(f"{sweep.source}: 'name' {sweep.name!r}: {exc.args[0] if exc.args else exc}") from None
+    name = safe_name(text)
+    if not name:
+        raise ConfigError(f"{sweep.source}: 'name' {sweep.name!r} gives an empty folder name for run {run.index}")
+    return name
+
+
+def default_name(values: dict[str, Any]) -> str:
+    """``temperature=0.7,path=Llama-3.1-8B``: the last part of each key where that is unambiguous; paths by
+    their last component."""
+    shorts = [k.rsplit(".", 1)[-1] for k in values]
+    parts = []
+    for (key, value), short in zip(values.items(), shorts):
+        label = short if shorts.count(short) == 1 else key
+        shown = Path(value).name if isinstance(value, str) and "/" in value else value
+        parts.append(f"{label}={shown}")
+    return ",".join(parts)
+
+
+def safe_name(text: str) -> str:
+    """One path component: only letters, digits and ._=,+- (anything else becomes _), no leading dot."""
+    return _UNSAFE.sub("_", text).strip("._")[:200]
+
+
+class _ConfigFormatter(string.Formatter):
+    """``{model.path.name}``: config keys as far as they go, then attributes of the value (a string as a Path)."""
+
+    def __init__(self, node: dict[str, Any]) -> None:
+        super().__init__()
+        self.node = node
+
+    def get_field(self, field_name: str, args: Any, kwargs: Any) -> tuple[Any, str]:
+        value: Any = self.node
+        parts = field_name.split(".")
+        for i, part in enumerate(parts):
+            if isinstance(value, dict):
+                if part not in value:
+                    raise KeyError(f"'{'.'.join(parts[: i + 1])}' is not a config key")
+                value = value[part]
+                continue
+            target = Path(value) if isinstance(value, str) else value
+            if not hasattr(target, part):
+                raise AttributeError(f"'{'.'.join(parts[:i])}' has no attribute '{part}'")
+            value = getattr(target, part)
+        if isinstance(value, dict):
+            raise ValueError(f"'{field_name}' is a config section, not a value")
+        return value, field_name
+
+
+# ---- a run's record (run.json) ------------------------------------------------------------------------------
+def read_record(folder: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((folder / RECORD).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return None  # unreadable (a kill while the first record was written): the run counts as not done
+
+
+def write_record(folder: Path, record: dict[str, Any]) -> None:
+    write_atomic(folder / RECORD, json.dumps(record, indent=2) + "\n")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write then rename: a reader (another array task, a rerun after a kill) sees the old file or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(node, dict):
+        return {prefix.rstrip("."): node}
+    flat: dict[str, Any] = {}
+    for key, value in node.items():
+        flat.update(flatten(value, f"{prefix}{key}."))
+    return flat

@@ -1,0 +1,159 @@
+"""A sweep's results: one row per run from its folder, as ``results.csv``, ``results.md`` and ``results.png``.
+
+Read from files only (each run's ``run.json``, output, errors and metrics), so ``--collect`` and the last
+Slurm array task assemble the same table the sweep writes at its end.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from runtime.frontend.job_files import done_ids, whole_lines
+from runtime.frontend.sweep_plan import PENDING, RESULT_COLUMNS, Run, Sweep, write_atomic
+
+log = logging.getLogger(__name__)
+
+
+def result_row(sweep: Sweep, run: Run) -> dict[str, Any]:
+    """Swept keys, then status, rows, errors, output tokens, tokens/s, wall and load time, then the named
+    metrics; ``error`` (why a run failed) last. Tokens/s: output tokens over job time, summed over the
+    attempts that returned (a killed attempt leaves no time; its rows still count)."""
+    record = run.record() or {}
+    attempts = record.get("attempts", [])
+    paths = run.paths
+    job_s = sum(a.get("job_s", 0.0) for a in attempts)
+    generated = sum(a.get("output_tokens", 0) for a in attempts)
+    row: dict[str, Any] = {"run": run.index, "name": run.name, **run.swept_values()}
+    row.update(
+        status=record.get("status", PENDING),
+        rows=len(done_ids(paths.output, repair=False)),
+        errors=len(whole_lines(paths.errors)),
+        output_tokens=_output_tokens(paths.output),
+        tokens_per_s=round(generated / job_s, 2) if job_s > 0 else None,
+        wall_s=round(sum(a.get("wall_s", 0.0) for a in attempts), 3) if attempts else None,
+        load_s=round(sum(a.get("load_s", 0.0) for a in attempts), 3) if attempts else None,
+    )
+    metrics = _read_json(paths.metrics)
+    for key in sweep.metrics:
+        row[key] = _dotted(metrics, key)
+    row["error"] = record.get("error") or ""
+    return row
+
+
+def columns(sweep: Sweep) -> list[str]:
+    return ["run", "name", *sweep.swept, *RESULT_COLUMNS, *sweep.metrics, "error"]
+
+
+def write_results(sweep: Sweep, runs: list[Run]) -> list[Path]:
+    """results.csv, results.md and (with matplotlib) results.png in the sweep's folder; returns what was written."""
+    rows = [result_row(sweep, run) for run in runs]
+    names = columns(sweep)
+    sweep.out.mkdir(parents=True, exist_ok=True)
+    csv_path, md_path = sweep.out / "results.csv", sweep.out / "results.md"
+    write_atomic(csv_path, to_csv(rows, names))
+    write_atomic(md_path, to_markdown(rows, names))
+    written = [csv_path, md_path]
+    png = write_plot(sweep, rows, sweep.out / "results.png")
+    return written + ([png] if png else [])
+
+
+def to_csv(rows: list[dict[str, Any]], names: list[str]) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=names, lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: _cell(row.get(k)) for k in names})
+    return buf.getvalue()
+
+
+def to_markdown(rows: list[dict[str, Any]], names: list[str]) -> str:
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+
+    out = [line(names), line(["---"] * len(names))]
+    out += [line([_cell(row.get(k)) for k in names]) for row in rows]
+    return "\n".join(out) + "\n"
+
+
+def write_plot(sweep: Sweep, rows: list[dict[str, Any]], path: Path) -> Path | None:
+    """``plot.y`` against ``plot.x`` (default: tokens/s against the first swept key), one line per combination
+    of the other swept keys. Skipped, with one warning, when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        log.warning("%s skipped: matplotlib is not installed (pip install matplotlib)", path)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x_key, y_key = sweep.plot.x or sweep.swept[0], sweep.plot.y
+    others = [k for k in sweep.swept if k != x_key]
+    xs = [row[x_key] for row in rows]
+    numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in xs)
+    ticks = sorted(set(xs)) if numeric else list(dict.fromkeys(map(str, xs)))
+    lines: dict[str, list[tuple[float, float]]] = {}
+    for row in rows:
+        if not isinstance(row.get(y_key), (int, float)):
+            continue  # a pending or failed run has no value
+        label = ", ".join(f"{k.rsplit('.', 1)[-1]}={row[k]}" for k in others) or y_key
+        x = row[x_key] if numeric else ticks.index(str(row[x_key]))
+        lines.setdefault(label, []).append((x, row[y_key]))
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, pts in lines.items():
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    if not numeric:
+        ax.set_xticks(range(len(ticks)), ticks, rotation=20, ha="right", fontsize=8)
+    ax.set_xlabel(x_key)
+    ax.set_ylabel(y_key)
+    ax.set_title(sweep.out.name, fontsize=10)
+    if others and lines:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def _output_tokens(path: Path) -> int:
+    total = 0
+    for line in whole_lines(path):
+        try:
+            total += int(json.loads(line).get("completion_tokens", 0))
+        except (ValueError, TypeError, AttributeError):
+            continue  # not a result row (done_ids warns about those)
+    return total
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _dotted(data: Any, key: str) -> Any:
+    for part in key.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return None
+        data = data[part]
+    return data
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e-3 and value else f"{round(value, 3)}"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value)
+    return str(value)

@@ -1,0 +1,495 @@
+"""Experiment sweeps on CPU: a tiny random Llama with the default model's tokenizer, a few text rows per run."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from runtime.config import ConfigError
+from runtime.frontend import job as job_module
+from runtime.frontend import sweep
+from runtime.frontend.job_files import JsonlAppender
+from runtime.frontend.sweep_plan import PlotSpec, Sweep, load_sweep_file, plan_runs, shorthand_sweep, split_top_level
+from runtime.frontend.sweep_results import write_plot
+from tests.conftest import make_tiny_llama
+from tests.test_slurm_live import slurm, tiny_model  # noqa: F401 - fixtures (a local Slurm cluster, its model)
+
+REPO = Path(__file__).resolve().parents[1]
+ROWS = 6
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """4 heads (TP=2 divides them) and the default model's tokenizer, so rows are text."""
+    path = make_tiny_llama(tmp_path_factory.mktemp("sweep_model"), vocab=49152, heads=4, kv_heads=2, layers=2, seed=5)
+    for f in default_model_dir.iterdir():
+        if f.name.startswith("tokenizer"):
+            shutil.copy(f, path / f.name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("sweep_rows") / "rows.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "prompt": f"Row {i}: tell me about {i * 3}."}) + "\n"
+                            for i in range(ROWS)))
+    return path
+
+
+def base_overrides(model_dir: Path, rows: Path) -> list[str]:
+    return [f"model.path={model_dir}", "engine.device=cpu", "model.dtype=float32", "model.max_seq_len=256",
+            "scheduler.max_running_requests=4", "cache.num_pages=64", "job.progress=false",
+            "job.chat_template=false", "sampling.ignore_eos=true", "sampling.max_new_tokens=4", f"job.input={rows}"]
+
+
+def write_sweep(path: Path, model_dir: Path, rows: Path, **spec: Any) -> Path:
+    spec = {"overrides": base_overrides(model_dir, rows), "out": str(path.parent / "out"), **spec}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+GRID_2X2_ZIP_2 = {
+    "grid": {"sampling.temperature": [0.0, 0.8], "cache.page_size": [8, 16]},
+    "zip": {"sampling.max_new_tokens": [3, 5], "sampling.top_k": [-1, 20]},
+    "metrics": ["latency_s.p50", "input_tokens"],
+}
+
+
+def ids(path: Path) -> list[int]:
+    return sorted(json.loads(line)["id"] for line in path.read_text().splitlines())
+
+
+def results(out: Path) -> list[dict[str, str]]:
+    with open(out / "results.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_grid_and_zip_give_eight_runs_results_and_a_rerun_skips_them(model_dir, rows, tmp_path):
+    file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, **GRID_2X2_ZIP_2)
+    out = tmp_path / "out"
+    assert sweep.main(["--sweep-file", str(file)]) == 0
+    stats = sweep.last_stats
+    assert (stats.done, stats.skipped, stats.failed) == (8, 0, 0)
+    assert (stats.loads, stats.reused) == (2, 6)  # one load per cache.page_size; sampling varies within
+    folders = sorted(p for p in out.iterdir() if p.is_dir())
+    assert len(folders) == 8
+    for folder in folders:
+        assert ids(folder / "output.jsonl") == list(range(ROWS))
+        assert json.loads((folder / "run.json").read_text())["status"] == "done"
+        assert (folder / "metrics.json").is_file() and (folder / "output.config.yaml").is_file()
+    table = results(out)
+    assert len(table) == 8
+    swept = ["sampling.temperature", "cache.page_size", "sampling.max_new_tokens", "sampling.top_k"]
+    assert list(table[0])[2:6] == swept
+    assert {(r["sampling.temperature"], r["cache.page_size"], r["sampling.max_new_tokens"]) for r in table} == {
+        (t, p, n) for t in ("0.0", "0.8") for p in ("8", "16") for n in ("3", "5")}
+    for r in table:
+        assert r["status"] == "done" and r["rows"] == str(ROWS) and r["errors"] == "0"
+        assert int(r["output_tokens"]) == ROWS * int(r["sampling.max_new_tokens"])  # ignore_eos: every token
+        assert float(r["tokens_per_s"]) > 0 and float(r["latency_s.p50"]) > 0 and int(r["input_tokens"]) > 0
+    assert sum(1 for r in table if float(r["load_s"]) > 0) == 2
+    assert (out / "results.md").read_text().count("\n") == 10  # header, rule, 8 rows
+    assert (out / "results.png").is_file() == HAVE_MATPLOTLIB  # without matplotlib: a warning, no plot
+
+
+def test_the_plot_draws_one_line_per_value_of_the_other_keys(tmp_path):
+    pytest.importorskip("matplotlib")
+    spec = Sweep(source="test", base=[], overrides=[], grid={"a.x": ["1", "2"], "b.y": ["p", "q"]}, zip={},
+                 out=tmp_path, plot=PlotSpec(x="a.x", y="tokens_per_s"))
+    rows = [{"a.x": x, "b.y": y, "tokens_per_s": x * (2 if y == "q" else 1)} for x in (1, 2) for y in "pq"]
+    rows.append({"a.x": 3, "b.y": "p", "tokens_per_s": None})  # a failed run: no point
+    path = write_plot(spec, rows, tmp_path / "results.png")
+    assert path is not None and path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_rerun_skips_every_finished_run(model_dir, rows, tmp_path):
+    file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, grid={"sampling.temperature": [0.0, 0.5]})
+    assert sweep.main(["--sweep-file", str(file)]) == 0
+    before = (tmp_path / "out" / "temperature=0.5" / "output.jsonl").read_text()
+    assert sweep.main(["--sweep-file", str(file)]) == 0
+    stats = sweep.last_stats
+    assert (stats.skipped, stats.done, stats.loads) == (2, 0, 0)  # counted, not timed
+    assert (tmp_path / "out" / "temperature=0.5" / "output.jsonl").read_text() == before
+
+
+class Killed(BaseException):
+    """Stands in for SIGKILL: nothing above the job catches it, so no record says how the run ended."""
+
+
+def test_a_sweep_killed_inside_run_3_resumes_it_and_runs_the_rest(model_dir, rows, tmp_path, monkeypatch):
+    file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, **GRID_2X2_ZIP_2)
+    run3 = plan_runs(load_sweep_file(file))[2]
+    victim = str(run3.dir / "output.jsonl")
+
+    class DiesInRun3(JsonlAppender):
+        def write(self, row: dict[str, Any]) -> None:
+            super().write(row)
+            self.rows = getattr(self, "rows", 0) + 1
+            if self.file.name == victim and self.rows == 2:
+                self.file.flush()
+                raise Killed
+
+    monkeypatch.setattr(job_module, "JsonlAppender", DiesInRun3)
+    with pytest.raises(Killed):
+        sweep.main(["--sweep-file", str(file)])
+    monkeypatch.undo()
+    with open(victim, "a") as f:
+        f.write('{"id": 5, "te')  # a line torn by the kill
+    records = {r.index: r.record() for r in plan_runs(load_sweep_file(file))}
+    assert [records[i]["status"] for i in (1, 2, 3)] == ["done", "done", "running"]
+    assert all(records[i] is None for i in range(4, 9))
+
+    assert sweep.main(["--sweep-file", str(file)]) == 0
+    stats = sweep.last_stats
+    assert (stats.skipped, stats.done) == (2, 6)
+    assert ids(run3.dir / "output.jsonl") == list(range(ROWS))  # one row per id
+    record = run3.record()
+    assert record["status"] == "done" and record["attempts"][-1]["already_done"] == 2
+    assert len(results(tmp_path / "out")) == 8
+
+
+def test_runs_that_differ_only_in_sampling_load_the_model_once_with_the_same_rows(model_dir, rows, tmp_path):
+    grid = {"sampling.temperature": [0.9, 0.0], "sampling.top_p": [1.0, 0.8]}
+    reused = write_sweep(tmp_path / "a" / "sweep.yaml", model_dir, rows, grid=grid)
+    fresh = write_sweep(tmp_path / "b" / "sweep.yaml", model_dir, rows, grid=grid, reuse_engine=False)
+    assert sweep.main(["--sweep-file", str(reused)]) == 0
+    assert (sweep.last_stats.loads, sweep.last_stats.reused) == (1, 3)
+    assert sweep.main(["--sweep-file", str(fresh)]) == 0
+    assert (sweep.last_stats.loads, sweep.last_stats.reused) == (4, 0)
+    for folder in (tmp_path / "a" / "out").iterdir():
+        if folder.is_dir():  # a reused engine (its prefix cache emptied) writes what a fresh one writes
+            twin = tmp_path / "b" / "out" / folder.name
+            assert (folder / "output.jsonl").read_text().splitlines() == (twin / "output.jsonl").read_text().splitlines()
+
+
+def test_a_failed_run_is_recorded_and_the_sweep_goes_on(model_dir, rows, tmp_path, capsys):
+    missing = tmp_path / "no_such_model"
+    file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, name="{model.path.name}",
+                       grid={"model.path": [str(missing), str(model_dir)]})
+    assert sweep.main(["--sweep-file", str(file)]) == 1
+    assert (sweep.last_stats.failed, sweep.last_stats.done) == (1, 1)
+    table = {r["name"]: r for r in results(tmp_path / "out")}
+    assert table["no_such_model"]["status"] == "failed" and "no_such_model" in table["no_such_model"]["error"]
+    assert table[model_dir.name]["status"] == "done" and table[model_dir.name]["rows"] == str(ROWS)
+    assert "failed" in capsys.readouterr().err
+    (tmp_path / "out" / "results.csv").unlink()
+    assert sweep.main(["--sweep-file", str(file), "--collect"]) == 0  # the same table, from the folders only
+    assert {r["name"]: r["status"] for r in results(tmp_path / "out")} == {"no_such_model": "failed",
+                                                                            model_dir.name: "done"}
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ({"grid": {"sampling.temprature": [0.0, 1.0]}}, "unknown config key 'sampling.temprature'; did you mean "
+                                                    "'sampling.temperature'?"),
+    ({"grid": {"sampling.temperature": [0.0, -1.0]}}, "run sampling.temperature=-1.0: config section 'sampling': "
+                                                      "sampling parameter temperature=-1.0 must be"),
+    ({"grid": {"cache.page_size": [16, "big"]}}, "invalid value for config key 'cache.page_size'"),
+    ({"grid": {}}, "the sweep has no runs: 'grid' and 'zip' are both empty"),
+    ({"grid": {"sampling.temperature": []}}, "'grid': 'sampling.temperature' has no values"),
+    ({"grid": {"sampling.temperature": [0.0]}, "zip": {"sampling.top_k": [1, 2], "sampling.top_p": [1.0]}},
+     "'zip' lists advance together and must have one length"),
+    ({"grid": {"sampling.temperature": [0.0, 0.5]}, "name": "same"}, "runs 1 and 2 would share the folder 'same'"),
+    ({"grid": {"sampling.temperature": [0.0]}, "name": "{model.paht}"}, "'model.paht' is not a config key"),
+    ({"grid": {"job.output": ["a.jsonl"]}}, "['job.output'] cannot be swept"),
+    ({"grid": {"sampling.temperature": [0.0]}, "plot": {"y": "nope"}}, "plot y 'nope' is not a results column"),
+    ({"grd": {"sampling.temperature": [0.0]}}, "unknown sweep key 'grd'; did you mean 'grid'?"),
+], ids=["bad-key", "bad-value", "bad-type", "empty-grid", "empty-axis", "zip-lengths", "same-names", "bad-name",
+        "per-run-key", "bad-plot", "bad-sweep-key"])
+def test_a_bad_sweep_fails_before_any_run_starts(model_dir, rows, tmp_path, capsys, spec, message):
+    file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, **spec)
+    sweep.last_stats = None
+    assert sweep.main(["--sweep-file", str(file)]) == 2
+    assert message in capsys.readouterr().err
+    assert sweep.last_stats is None and not (tmp_path / "out").exists()  # nothing started, nothing written
+
+
+def test_a_bad_key_on_the_command_line_names_it(capsys):
+    assert sweep.main(["--sweep", "sampling.temperature=0,0.5", "cache.pagesize=8"]) == 2
+    assert "unknown config key 'cache.pagesize'; did you mean 'cache.page_size'?" in capsys.readouterr().err
+
+
+def test_the_shorthand_makes_a_grid_of_comma_lists(model_dir, rows, tmp_path):
+    out = tmp_path / "short"
+    argv = ["--sweep", f"--out={out}", "sampling.temperature=0,0.5", "cache.page_size=8,16",
+            *base_overrides(model_dir, rows)]
+    spec = shorthand_sweep([], argv[2:], str(out))
+    assert spec.grid == {"sampling.temperature": ["0", "0.5"], "cache.page_size": ["8", "16"]}
+    names = [r.name for r in plan_runs(spec)]
+    assert names == ["temperature=0.0,page_size=8", "temperature=0.5,page_size=8",
+                     "temperature=0.0,page_size=16", "temperature=0.5,page_size=16"]  # grouped by engine
+    assert shorthand_sweep([], ["a=1,2"]).out == shorthand_sweep([], ["a=1,2"]).out  # a rerun finds its folder
+
+
+def test_split_top_level_keeps_lists_and_quotes_whole():
+    assert split_top_level("0,0.7") == ["0", "0.7"]
+    assert split_top_level('[1,2],"x,y",{a: 1, b: 2}') == ["[1,2]", '"x,y"', "{a: 1, b: 2}"]
+    assert split_top_level("/models/a") == ["/models/a"]
+
+
+def test_the_name_template_reads_config_keys_and_path_parts(model_dir, rows, tmp_path):
+    file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, name="{model.path.name}-t{sampling.temperature}",
+                       grid={"sampling.temperature": [0.0, 0.7], "model.path": [str(model_dir)]})
+    assert [r.name for r in plan_runs(load_sweep_file(file))] == [f"{model_dir.name}-t0.0", f"{model_dir.name}-t0.7"]
+
+
+def test_a_folder_of_another_config_is_not_resumed(model_dir, rows, tmp_path, capsys):
+    file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, grid={"sampling.temperature": [0.0]})
+    assert sweep.main(["--sweep-file", str(file), "--only-run", "1"]) == 0
+    assert sweep.main(["--sweep-file", str(file), "sampling.max_new_tokens=7"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a run of another config (keys that differ: sampling.max_new_tokens)" in err
+
+
+def test_list_and_one_run_as_an_array_task(model_dir, rows, tmp_path, capsys):
+    file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, grid={"sampling.temperature": [0.0, 0.5]})
+    assert sweep.main(["--sweep-file", str(file), "--only-run", "2"]) == 0
+    assert not (tmp_path / "out" / "results.csv").exists()  # run 1 is still to do: not the last task
+    assert sweep.main(["--sweep-file", str(file), "--list"]) == 0
+    listed = capsys.readouterr().out
+    assert "  1  pending" in listed and "  2  done" in listed and "sbatch --array=1-2 scripts/slurm/sweep.sbatch" in listed
+    assert sweep.main(["--sweep-file", str(file), "--only-run", "1"]) == 0
+    assert [r["status"] for r in results(tmp_path / "out")] == ["done", "done"]  # the last task wrote it
+    assert sweep.main(["--sweep-file", str(file), "--only-run", "3"]) == 2
+
+
+def test_without_job_input_the_prompts_become_rows(model_dir, tmp_path):
+    overrides = [o for o in base_overrides(model_dir, Path("unused")) if not o.startswith("job.input")]
+    spec = {"overrides": [*overrides, 'job.prompts=["Hello there", "Two plus two?"]'], "out": str(tmp_path / "out"),
+            "grid": {"sampling.temperature": [0.0]}}
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(spec))
+    assert sweep.main(["--sweep-file", str(tmp_path / "sweep.yaml")]) == 0
+    folder = tmp_path / "out" / "temperature=0.0"
+    assert [json.loads(x)["prompt"] for x in (folder / "input.jsonl").read_text().splitlines()] == [
+        "Hello there", "Two plus two?"]
+    assert ids(folder / "output.jsonl") == [0, 1]
+
+
+def test_the_example_sweep_is_valid():
+    runs = plan_runs(load_sweep_file(REPO / "configs" / "sweeps" / "example.yaml"))
+    assert len(runs) == 4 and len({r.engine_key() for r in runs}) == 1
+
+
+def test_no_sweep_flag_is_read_by_torchrun_as_one_of_its_own():
+    from torch.distributed.run import get_args_parser
+
+    args = sweep.parse_args(["--sweep", "--config=c.yaml", "--only-run=2", "--out=o", "--name=n", "a=1,2"])
+    forwarded = sweep.forwarded_args(args)
+    assert forwarded == ["--config=c.yaml", "--sweep", "--only-run=2", "--out=o", "--name=n", "a=1,2"]
+    theirs = [o for a in get_args_parser()._actions for o in a.option_strings]
+    assert not [f for f in forwarded if f.startswith("--") and any(o.startswith(f.split("=")[0]) for o in theirs)]
+    parsed = get_args_parser().parse_args(["--standalone", "launch.py", *forwarded])
+    assert parsed.training_script_args == forwarded
+
+
+def test_the_sweep_flags_are_recognised():
+    assert sweep.requested(["--sweep", "a=1,2"]) and sweep.requested(["--sweep-file=x.yaml"])
+    assert sweep.requested(["--config", "c.yaml", "--collect"])
+    assert not sweep.requested(["sampling.temperature=0.5", "--config", "sweep.yaml"])
+    with pytest.raises(ConfigError, match="need the sweep"):
+        sweep.build_sweep(sweep.parse_args(["--collect"]))
+
+
+# ---- several processes (torchrun on CPU, gloo) ---------------------------------------------------------------
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+@pytest.mark.slow
+def test_two_ranks_walk_the_same_runs_across_tp_layouts(model_dir, rows, tmp_path):
+    """World 2: TP 1 (two replicas sharing each job) and TP 2 (one replica) in one sweep, each run's rows as one
+    process writes them."""
+    grid = {"parallel.tp_size": [1, 2], "sampling.temperature": [0.0, 0.8]}
+    single = write_sweep(tmp_path / "one" / "sweep.yaml", model_dir, rows, grid={"sampling.temperature": [0.0, 0.8]})
+    assert sweep.main(["--sweep-file", str(single)]) == 0
+    file = write_sweep(tmp_path / "two" / "sweep.yaml", model_dir, rows, grid=grid)
+    proc = subprocess.run([*TORCHRUN, "--nproc-per-node", "2", "-m", "runtime.frontend.sweep", "--sweep-file",
+                           str(file)], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "4 done, 0 skipped, 0 failed, 0 interrupted; 2 model loads" in proc.stdout  # printed by rank 0
+    table = results(tmp_path / "two" / "out")
+    assert [r["status"] for r in table] == ["done"] * 4 and {r["rows"] for r in table} == {str(ROWS)}
+    for run in plan_runs(load_sweep_file(file), world_size=2):
+        metrics = json.loads(run.paths.metrics.read_text())
+        tp = run.cfg.parallel.tp_size
+        assert (metrics["tp_size"], metrics["dp_size"]) == (tp, 2 // tp)
+        twin = tmp_path / "one" / "out" / f"temperature={run.cfg.sampling.temperature}" / "output.jsonl"
+        texts = {json.loads(x)["id"]: json.loads(x)["text"] for x in run.paths.output.read_text().splitlines()}
+        assert texts == {json.loads(x)["id"]: json.loads(x)["text"] for x in twin.read_text().splitlines()}
+
+
+@pytest.mark.slow
+def test_a_drained_sweep_exits_143_and_a_rerun_completes_it(model_dir, rows, tmp_path):
+    """SIGTERM to both ranks (DP 2) inside run 2: in-flight rows finish, run 2 is recorded interrupted, run 3
+    never starts; the rerun resumes run 2 and runs run 3."""
+    file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, grid={"sampling.temperature": [0.0, 0.5, 0.9]},
+                       overrides=[*base_overrides(model_dir, rows), "sampling.max_new_tokens=120",
+                                  "scheduler.max_running_requests=1", "parallel.tp_size=1"])
+    cmd = [*TORCHRUN, "--nproc-per-node", "2", "-m", "runtime.frontend.sweep", "--sweep-file", str(file)]
+    out2 = tmp_path / "out" / "temperature=0.5" / "output.jsonl"
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (out2.exists() and out2.read_text().strip()):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)  # torchrun passes it to both ranks
+    stdout, stderr = proc.communicate(timeout=120)
+    run2 = json.loads((out2.parent / "run.json").read_text())
+    assert run2["status"] == "interrupted", stdout[-2000:] + stderr[-3000:]
+    assert "rerun to complete (exit 143)" in stderr  # rank 0; both ranks exit 143 (torchrun itself says 1)
+    assert len(ids(out2)) < ROWS and not (tmp_path / "out" / "temperature=0.9" / "run.json").exists()
+    again = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "1 skipped" in again.stdout
+    for t in ("0.0", "0.5", "0.9"):
+        assert ids(tmp_path / "out" / f"temperature={t}" / "output.jsonl") == list(range(ROWS))
+
+
+# ---- Slurm: the array template -------------------------------------------------------------------------------
+SBATCH = REPO / "scripts" / "slurm" / "sweep.sbatch"
+BASH = shutil.which("bash")
+LAUNCH_RUNS_SWEEPS = "sweep.requested(" in (REPO / "launch.py").read_text()
+needs_bash = pytest.mark.skipif(BASH is None, reason="needs bash")
+
+
+def _stub_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """Stub srun/scancel/scontrol (tests/test_slurm.py's) in front of the real PATH."""
+    from tests.test_slurm import STUBS
+
+    stubs = tmp_path / "stubs"
+    stubs.mkdir(exist_ok=True)
+    for name in ("srun", "scancel", "scontrol") + (("torchrun",) if extra.pop("stub_torchrun", "") else ()):
+        (stubs / name).write_text(STUBS[name])
+        (stubs / name).chmod(0o755)
+    path = f"{stubs}:{Path(sys.executable).parent}:/usr/bin:/bin"
+    return {"PATH": path, "STUBS": str(stubs), "PYTHON": sys.executable, "SLURM_SUBMIT_DIR": str(REPO),
+            "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "localhost", "SLURM_GPUS_ON_NODE": "1",
+            "HOME": os.environ.get("HOME", "/root"), "OMP_NUM_THREADS": "1", **extra}
+
+
+@needs_bash
+def test_sweep_sbatch_syntax_and_dry_run(tmp_path):
+    assert subprocess.run([BASH, "-n", str(SBATCH)], capture_output=True).returncode == 0
+    env = _stub_env(tmp_path, DRY_RUN="1", SWEEP="s.yaml", SLURM_ARRAY_TASK_ID="3", SLURM_JOB_ID="7",
+                    SLURM_GPUS_ON_NODE="8", OVERRIDES="cache.page_size=8 sampling.stop=[a]")
+    out = subprocess.run([BASH, str(SBATCH)], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == ("torchrun --nnodes=1 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=localhost:20007 "
+                          "--rdzv-id=7 --max-restarts=0 launch.py --sweep-file s.yaml --only-run 3 cache.page_size=8 "
+                          "'sampling.stop=[a]'\n")
+
+
+@needs_bash
+@pytest.mark.parametrize(("env", "message"), [({"SLURM_ARRAY_TASK_ID": "1"}, "set SWEEP to the sweep file"),
+                                              ({"SWEEP": "s.yaml"}, "not an array task")])
+def test_sweep_sbatch_needs_a_sweep_and_an_array(tmp_path, env, message):
+    out = subprocess.run([BASH, str(SBATCH)], env=_stub_env(tmp_path, SLURM_JOB_ID="7", **env), capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and message in out.stderr
+
+
+@needs_bash
+def test_sweep_sbatch_usr1_drains_then_requeues_the_task(tmp_path):
+    env = _stub_env(tmp_path, SWEEP="s.yaml", SLURM_ARRAY_TASK_ID="2", SLURM_JOB_ID="12", stub_torchrun="1")
+    proc = subprocess.Popen([BASH, str(SBATCH)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stubs = Path(env["STUBS"])
+    deadline = time.monotonic() + 30
+    while not (stubs / "started").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGUSR1)
+    output, _ = proc.communicate(timeout=60)
+    log = (stubs / "log").read_text()
+    assert "launch.py --sweep-file s.yaml --only-run 2" in log
+    assert log.index("scancel --signal=TERM 12") < log.index("drained") < log.index("scontrol requeue 12")
+    assert proc.returncode == 143 and "sweep s.yaml run 2: job 12 attempt 1" in output
+
+
+@needs_bash
+@pytest.mark.slow
+@pytest.mark.skipif(not LAUNCH_RUNS_SWEEPS, reason="launch.py does not hand --sweep-file to runtime/frontend/sweep.py")
+def test_sweep_sbatch_array_tasks_run_one_run_each_and_the_last_writes_results(model_dir, rows, tmp_path):
+    """The template with stub srun and the real torchrun_cmd.py, torchrun and launch.py, task by task."""
+    file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, grid={"sampling.temperature": [0.0, 0.5]})
+    for task in ("2", "1"):
+        env = _stub_env(tmp_path, SWEEP=str(file), SLURM_ARRAY_TASK_ID=task, SLURM_JOB_ID=f"4{task}",
+                        NPROC_PER_NODE="1")
+        out = subprocess.run([BASH, str(SBATCH)], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+        assert (tmp_path / "out" / "results.csv").exists() == (task == "1")  # the last task writes the table
+    assert [r["status"] for r in results(tmp_path / "out")] == ["done", "done"]
+
+
+# ---- a live Slurm (scripts/slurm/local_cluster.sh, as tests/test_slurm_live.py) -------------------------------
+def _live_sweep(tmp_path: Path, model: Path, temperatures: list[float], rows_n: int, new_tokens: int) -> Path:
+    """Token-id rows: the live tests' tiny model has no tokenizer."""
+    rows_file = tmp_path / "rows.jsonl"
+    rows_file.write_text("".join(json.dumps({"id": i, "prompt": [i + 1, 5, 7]}) + "\n" for i in range(rows_n)))
+    spec = {"overrides": [f"model.path={model}", "engine.device=cpu", "model.max_seq_len=2048",
+                          "scheduler.max_running_requests=2", "job.progress=false", "job.drain_timeout_s=3",
+                          "sampling.ignore_eos=true", f"sampling.max_new_tokens={new_tokens}", f"job.input={rows_file}"],
+            "grid": {"sampling.temperature": temperatures}, "out": str(tmp_path / "out")}
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    return tmp_path / "sweep.yaml"
+
+
+def _submit_array(env: dict[str, str], file: Path, tasks: int) -> str:
+    job_env = {**env, "SWEEP": str(file), "NPROC_PER_NODE": "1", "PYTHON": sys.executable}
+    proc = subprocess.run(["sbatch", "--parsable", f"--array=1-{tasks}", "--gpus-per-node=0", "--cpus-per-task=1",
+                           "--time=10", f"--output={file.parent}/slurm-%A_%a.out", str(SBATCH)],
+                          cwd=REPO, env=job_env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.skipif(not LAUNCH_RUNS_SWEEPS, reason="launch.py does not hand --sweep-file to runtime/frontend/sweep.py")
+def test_live_slurm_array_runs_a_4_run_sweep(request, tmp_path):
+    from tests.test_slurm_live import wait_done
+
+    env, model = request.getfixturevalue("slurm"), request.getfixturevalue("tiny_model")
+    file = _live_sweep(tmp_path, model, [0.0, 0.3, 0.6, 0.9], rows_n=4, new_tokens=8)
+    array = _submit_array(env, file, 4)
+    for task in range(1, 5):
+        info = wait_done(env, f"{array}_{task}")
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", info
+    table = results(tmp_path / "out")
+    assert len(table) == 4 and {r["status"] for r in table} == {"done"} and {r["rows"] for r in table} == {"4"}
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.skipif(not LAUNCH_RUNS_SWEEPS, reason="launch.py does not hand --sweep-file to runtime/frontend/sweep.py")
+def test_live_slurm_a_preempted_array_task_requeues_and_completes(request, tmp_path):
+    from tests.test_slurm_live import wait_done, wait_for_requeued_run, wait_until, warn_batch
+
+    env, model = request.getfixturevalue("slurm"), request.getfixturevalue("tiny_model")
+    file = _live_sweep(tmp_path, model, [0.0, 0.5], rows_n=16, new_tokens=400)
+    array = _submit_array(env, file, 2)
+    run2 = plan_runs(load_sweep_file(file), world_size=None)[1].paths.output
+    wait_until(lambda: run2.exists() and run2.read_text().strip(), 180, "run 2's first row")
+    warn_batch(env, f"{array}_2")  # the time-limit warning to task 2 only
+    wait_for_requeued_run(env, f"{array}_2", 1)
+    assert wait_done(env, f"{array}_2")["JobState"] == "COMPLETED"
+    assert wait_done(env, f"{array}_1")["Restarts"] == "0"
+    assert ids(run2) == list(range(16))  # one row per id across the two attempts
+    assert [r["status"] for r in results(tmp_path / "out")] == ["done", "done"]
+    log = (tmp_path / f"slurm-{array}_2.out").read_text()
+    assert "attempt 1" in log and "attempt 2" in log and "requeueing job" in log
