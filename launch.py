@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     if bool(cfg.job.input) != bool(cfg.job.output):
         print("error: config keys 'job.input' and 'job.output' must be set together", file=sys.stderr)
         return 2
-    if cfg.job.input and not Path(cfg.job.input).is_file():
+    if cfg.job.input and not Path(cfg.job.input).exists():  # a file, or a table folder (save_to_disk, Parquet shards)
         print(f"error: config key 'job.input'={cfg.job.input} does not exist", file=sys.stderr)
         return 2
     if cfg.job.input:

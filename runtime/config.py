@@ -93,14 +93,33 @@ SamplingSection = _sampling_section()
 
 
 @dataclass
+class JobColumnsSection:
+    """Which columns of a table input (Parquet, CSV, Arrow, datasets) hold what; null: no such column."""
+
+    id: str | None = "id"  # row ids; a table without this (default-named) column uses the row number, from 0
+    prompt: str | None = "prompt"  # text or token ids
+    messages: str | None = "messages"  # chats: [{role, content}] (or ShareGPT's [{from, value}], or that as JSON)
+    keep: list[str] = field(default_factory=list)  # columns copied to every result row
+
+
+@dataclass
 class JobSection:
     prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))
-    input: str | None = None  # JSONL rows {"id", "prompt" | "messages", "sampling"?}
-    output: str | None = None  # JSONL results, one row per input id; a rerun skips ids already there
+    # JSONL rows {"id", "prompt" | "messages", "sampling"?} or OpenAI batch lines {"custom_id", "method", "url",
+    # "body"}; or a table: .parquet, .csv, .arrow, a folder of Parquet shards, a datasets save_to_disk folder
+    input: str | None = None
+    # One result per input id; a rerun skips ids already there. JSONL (OpenAI batch result lines for an OpenAI
+    # batch input), or Parquet when the name ends in .parquet
+    output: str | None = None
+    format: str = "auto"  # a JSONL input's rows: auto (from the first row) | native | openai
+    columns: JobColumnsSection = field(default_factory=JobColumnsSection)
     errors: str | None = None  # JSONL rows that could not be served (default: <output>.errors.jsonl)
     metrics: str | None = None  # JSON summary at the end (default: <output>.metrics.json)
     chat_template: bool = True  # apply the model's chat template to plain-string prompts
-    fsync_every_s: float = 5.0  # how often finished rows are forced to disk
+    fsync_every_s: float = 5.0  # how often finished rows are forced to disk (Parquet: written out)
+    row_group_rows: int = 10000  # Parquet output: rows per row group
+    lock: bool = True  # hold <output>.lock while running: a second run on the same output stops at start
+    lock_wait_s: float = 60.0  # how long to wait for another run's lock first (a killed run's ranks may be exiting)
     drain_timeout_s: float = 20.0  # after SIGTERM/SIGUSR1: finish in-flight rows for at most this long
     progress: bool = True  # tqdm bar on rank 0
 
@@ -147,11 +166,13 @@ _CHOICES = {
     "engine.fused_gemv": ("auto", "always", "never"),
     "parallel.all_reduce": ("auto", "nccl", "symm_mem"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
+    "job.format": ("auto", "native", "openai"),
 }
 _POSITIVE = ("model.max_seq_len", "cache.page_size", "scheduler.max_running_requests", "scheduler.max_prefill_tokens",
-             "cache.cpu_memory_bytes", "parallel.timeout_s")
-_NON_NEGATIVE = ("cache.num_pages", "job.drain_timeout_s", "job.fsync_every_s", "engine.cuda_graph_max_bs",
-                 "engine.cuda_graph_prefill_tokens", "parallel.memory_imbalance_bytes", "parallel.tp_size")
+             "cache.cpu_memory_bytes", "parallel.timeout_s", "job.row_group_rows")
+_NON_NEGATIVE = ("cache.num_pages", "job.drain_timeout_s", "job.fsync_every_s", "job.lock_wait_s",
+                 "engine.cuda_graph_max_bs", "engine.cuda_graph_prefill_tokens", "parallel.memory_imbalance_bytes",
+                 "parallel.tp_size")
 
 
 def _all_keys(node: Any, prefix: str = "") -> list[str]:

@@ -1,82 +1,153 @@
-"""Resumable JSONL jobs: rows in, one result row per input id out, over any number of replicas.
+"""Resumable jobs: rows in, one result row per input id out, over any number of replicas.
 
-Input rows are ``{"id", "prompt"}`` or ``{"id", "messages"}`` with an optional
-``"sampling"`` object; an id is a string or an integer (``1.0`` is the id ``1``).
-Results are appended as they complete, one whole line each (a torn last line from a
-killed run is cut off on resume; other unreadable lines are skipped with a warning).
-Rows that cannot be served, for whatever reason, go to the errors file with their
-line number and the job goes on.
+Inputs (``runtime.frontend.job_inputs``): JSONL rows ``{"id", "prompt"}`` or ``{"id", "messages"}`` with an
+optional ``"sampling"`` object (an id is a string or an integer; ``1.0`` is the id ``1``); OpenAI batch lines
+(``runtime.frontend.openai_batch``: their ``custom_id`` is the id, and the output holds OpenAI batch result
+lines); or a table (``runtime.frontend.tables``). Outputs: JSONL, appended as rows complete, one whole line
+each (a torn last line from a killed run is cut off on resume; other unreadable lines are skipped with a
+warning); or Parquet (``runtime.frontend.parquet_output``). Rows that cannot be served, for whatever reason,
+go to the errors file with their line number (OpenAI batch outputs also get an error line) and the job goes on.
 
-Data parallelism: every replica reads the same input and output, then claims rows a
-few at a time from one shared counter (``runtime.frontend.replicas``), longest
-expected work first, so replicas stay busy until the end. Replica 0 appends to
-``job.output`` itself; replica r > 0 to ``<output>.part-<r>``, merged into
-``job.output`` at the end (or at the start of the next run, after a kill).
+Rows are read a window at a time (``WINDOW_ROWS``), so a large input starts serving at once and is never
+held in memory whole; each window is planned on its own (``plan``).
 
-What a rerun does: it skips every id already in the output and serves every other
-row, including rows that failed before (their error may have come from the config,
-such as a prompt longer than ``model.max_seq_len``). Each run rewrites the errors
-file, so it lists the rows that failed in the latest run. A job killed at any moment
-and rerun, at any DP or TP size, ends with exactly one row per input id.
+Data parallelism: every replica reads the same input and output, then claims rows a few at a time from one
+shared counter (``runtime.frontend.replicas``), so replicas stay busy until the end. Replica 0 appends to
+``job.output`` itself; replica r > 0 to ``<output>.part-<r>``, merged into ``job.output`` at the end (or at
+the start of the next run, after a kill). Each run holds ``<output>.lock`` (replica r also
+``<output>.lock-<r>``) throughout: a second run on the same output stops at start, naming the holder.
+
+What a rerun does: it skips every id already in the output and serves every other row, including rows that
+failed before (their error may have come from the config, such as a prompt longer than ``model.max_seq_len``;
+an OpenAI batch output loses its error lines first). Each run rewrites the errors file, so it lists the rows
+that failed in the latest run. A job killed at any moment and rerun, at any DP or TP size, ends with exactly
+one row per input id.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import statistics
 import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import ExitStack
+from itertools import islice
+from pathlib import Path
 from typing import Any
 
 from parallel.state import get_tp
+from runtime.frontend import openai_batch
 from runtime.frontend.job_files import (
     JobPaths,
     JobRow,
     JsonlAppender,
     done_ids,
+    drop_error_lines,
     merge_parts,
     part_files,
     part_path,
-    read_rows,
     result_row,
+    served_custom_ids,
 )
+from runtime.frontend.job_inputs import JobInput, open_input, output_format
+from runtime.frontend.output_lock import OutputLock, lock_path, part_locks
 from runtime.frontend.replicas import Replicas
+
+log = logging.getLogger(__name__)
+
+WINDOW_ROWS = 8192  # input rows read and planned at a time
+UNKNOWN_REST = 1 << 40  # stands for the rows not read yet in the todo count given to claims
 
 
 def run_job(llm: Any, config_yaml: str) -> dict[str, Any]:
     """Serve every row not yet done; returns the job's metrics (replica 0 also writes them to the metrics file)."""
     job = llm.cfg.job
     paths = JobPaths.from_config(job)
-    if not paths.input.is_file():
+    if not paths.input.exists():
         raise FileNotFoundError(f"job.input={paths.input} does not exist")
     paths.check_distinct()
+    source = open_input(paths.input, job, llm.default_sampling())
+    out_format = output_format(paths.output, source)
     start = time.perf_counter()
     replicas = Replicas(llm.keep_workers_waiting, llm.drain, job.drain_timeout_s)
-    if replicas.first:
-        merge_parts(paths.output)  # rows other replicas finished before a kill; a torn last line is cut
-        for stale in part_files(paths.errors):
-            stale.unlink()  # the errors file describes the latest run only
-        paths.config.parent.mkdir(parents=True, exist_ok=True)
-        paths.config.write_text(config_yaml)
-    replicas.barrier("recovered")
-    rows = list(read_rows(paths.input, llm.default_sampling(), job.chat_template))
-    todo = plan(rows, done_ids(paths.output, repair=False))
-    replicas.barrier("planned")  # every replica has read the same output before anyone appends to it
-    if llm.drain is not None and replicas.store is not None:
-        llm.drain.sync = replicas.share_drain
-    try:
-        reports = replicas.gather(serve(llm, replicas, paths, todo))
-    finally:
-        if llm.drain is not None:
-            llm.drain.sync = None
-    if replicas.first:
-        merge_parts(paths.output)
-        merge_parts(paths.errors, results=False)
-    metrics = summarize(reports, len(rows), len(todo), time.perf_counter() - start, config_yaml)
-    if replicas.first:
-        paths.metrics.parent.mkdir(parents=True, exist_ok=True)
-        paths.metrics.write_text(json.dumps(metrics, indent=2) + "\n")
+    with ExitStack() as held:
+        if replicas.first:
+            if job.lock:
+                held.enter_context(OutputLock(lock_path(paths.output), f"job.output={paths.output}", job.lock_wait_s))
+            recover(paths, out_format, job.row_group_rows, job.lock_wait_s if job.lock else None)
+            for stale in part_files(paths.errors):
+                stale.unlink()  # the errors file describes the latest run only
+            paths.config.parent.mkdir(parents=True, exist_ok=True)
+            paths.config.write_text(config_yaml)
+            if source.id_note:
+                log.warning("%s", source.id_note)
+        replicas.barrier("recovered")  # the others lock their part only now: replica 0 may have refused the run
+        if not replicas.first and job.lock:
+            part = part_path(paths.output, replicas.index)
+            held.enter_context(OutputLock(lock_path(paths.output, replicas.index),
+                                          f"{part} (replica {replicas.index}'s part of job.output={paths.output})",
+                                          job.lock_wait_s))
+        todo = Todo(source.rows(), done_keys(out_format, paths.output))
+        todo.fill(0)
+        replicas.barrier("planned")  # every replica has read the same output before anyone appends to it
+        if llm.drain is not None and replicas.store is not None:
+            llm.drain.sync = replicas.share_drain
+        try:
+            reports = replicas.gather(serve(llm, replicas, paths, todo, out_format, source))
+        finally:
+            if llm.drain is not None:
+                llm.drain.sync = None
+        if replicas.first:
+            merge_output(paths.output, out_format, job.row_group_rows)
+            merge_parts(paths.errors, results=False)
+        metrics = summarize(reports, time.perf_counter() - start, config_yaml)
+        metrics.update(input_format=source.format, output_format=out_format)
+        if source.id_note:
+            metrics["ids"] = source.id_note
+        if replicas.first:
+            paths.metrics.parent.mkdir(parents=True, exist_ok=True)
+            paths.metrics.write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
+
+
+def recover(paths: JobPaths, out_format: str, row_group_rows: int, lock_wait_s: float | None) -> None:
+    """Replica 0, before anyone plans: fold in what replicas of a killed run left in part files, and drop an
+    OpenAI output's error lines (their rows are retried). Each part's lock is taken first (``lock_wait_s``:
+    None without locks): a replica of an earlier run still writing its part stops this run rather than lose
+    rows."""
+    with ExitStack() as parts:
+        if lock_wait_s is not None:
+            for held in part_locks(paths.output):
+                parts.enter_context(OutputLock(held, f"a replica's part of job.output={paths.output}", lock_wait_s))
+        merge_output(paths.output, out_format, row_group_rows)
+        if out_format == "openai":
+            dropped = drop_error_lines(paths.output)
+            if dropped:
+                log.info("%s: %d error lines of an earlier run removed; those requests are served again",
+                         paths.output, dropped)
+
+
+def merge_output(output: Path, out_format: str, row_group_rows: int) -> None:
+    if out_format == "parquet":
+        from runtime.frontend import parquet_output
+
+        parquet_output.merge_parts(output, row_group_rows)
+    else:
+        merge_parts(output)  # a torn last line is cut
+
+
+def done_keys(out_format: str, output: Path) -> set[str]:
+    """Keys of the rows the output already answers."""
+    if out_format == "parquet":
+        from runtime.frontend import parquet_output
+
+        return parquet_output.done_keys(output)
+    if out_format == "openai":
+        return served_custom_ids(output)
+    return done_ids(output, repair=False)
 
 
 OUTLIER_WORK = 4.0  # a row expected to take this many times the median row's work is served first
@@ -102,19 +173,98 @@ def plan(rows: list[JobRow], done: set[str]) -> list[JobRow]:
     return [r for r in todo if r.error is not None] + [good[i] for i in outliers] + rest
 
 
-def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: list[JobRow]) -> dict[str, Any]:
+class Todo:
+    """The rows to serve, numbered 0, 1, ... in serving order: the input is read ``WINDOW_ROWS`` rows at a
+    time and each window planned on its own (``plan``), the same way on every replica, so a claimed number
+    names the same row everywhere. Only the windows around the claims are held."""
+
+    def __init__(self, rows: Iterator[JobRow], done: set[str], window: int = WINDOW_ROWS) -> None:
+        self._rows, self._done, self._window = rows, done, window
+        self._planned: deque[tuple[int, list[JobRow]]] = deque()  # (number of the first row, rows)
+        self.end = 0  # rows planned so far
+        self.exhausted = False  # the whole input has been read
+        self.read = 0  # input rows read (an interrupted run may stop before the end)
+        self.already_done = 0
+        self.first_id: Any = None  # the id of the first good row
+
+    @property
+    def total(self) -> int:
+        """The number of rows to serve; until the input is read to its end, a number far beyond it."""
+        return self.end if self.exhausted else self.end + UNKNOWN_REST
+
+    def fill(self, number: int) -> None:
+        """Plan at least a window beyond ``number`` (or to the end of the input): claims in the last window
+        then see the exact total."""
+        while not self.exhausted and self.end <= number + self._window:
+            chunk = list(islice(self._rows, self._window))
+            if not chunk:
+                self.exhausted = True
+                break
+            self.read += len(chunk)
+            if self.first_id is None:
+                self.first_id = next((r.id for r in chunk if r.error is None), None)
+            planned = plan(chunk, self._done)
+            self.already_done += len(chunk) - len(planned)
+            if planned:
+                self._planned.append((self.end, planned))
+                self.end += len(planned)
+
+    def rows(self, numbers: range) -> list[JobRow]:
+        """The rows of ``numbers`` (claims only grow: windows before them are dropped); fewer past the end."""
+        if not numbers:
+            return []
+        self.fill(numbers[-1])
+        while self._planned and self._planned[0][0] + len(self._planned[0][1]) <= numbers[0]:
+            self._planned.popleft()
+        found = []
+        for first, planned in self._planned:
+            lo, hi = max(numbers[0], first), min(numbers[-1] + 1, first + len(planned))
+            if lo < hi:
+                found.extend(planned[lo - first : hi - first])
+        return found
+
+
+def _id_type(source: JobInput, todo: Todo, output: Path) -> str:
+    """int or str: the Parquet id column's type, from the output already there, the input's id column, or the
+    first row (the same on every replica)."""
+    from runtime.frontend import parquet_output
+
+    existing = parquet_output.existing_schema(output)
+    if existing is not None:
+        import pyarrow as pa
+
+        return "int" if pa.types.is_integer(existing.field("id").type) else "str"
+    if source.id_type is not None:
+        return source.id_type
+    return "str" if isinstance(todo.first_id, str) else "int"
+
+
+def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: Todo, out_format: str, source: JobInput
+          ) -> dict[str, Any]:
     """This replica's share: claim rows while there are any, write results and errors as they come."""
     job = llm.cfg.job
-    outputs = JsonlAppender(part_path(paths.output, replicas.index), job.fsync_every_s)
+    if out_format == "parquet":
+        from runtime.frontend import parquet_output
+
+        schema = parquet_output.result_schema(_id_type(source, todo, paths.output), source.kept, source.id_note)
+        outputs: Any = parquet_output.ParquetSink(paths.output, replicas.index, schema, job.row_group_rows,
+                                                  job.fsync_every_s)
+    else:
+        outputs = JsonlAppender(part_path(paths.output, replicas.index), job.fsync_every_s)
     errors = JsonlAppender(part_path(paths.errors, replicas.index), job.fsync_every_s, mode="w")
+    tokens = openai_batch.TokenText(llm.tokenizer)
+    model_name = llm.model_dir.name
     counts = {"rows": 0, "errors": 0, "input_tokens": 0, "output_tokens": 0}
     latencies: list[float] = []  # claim to result, per row
     claimed: dict[str, tuple[JobRow, float]] = {}  # by the row's id, which is also its item key (its noise)
     start = time.perf_counter()
-    bar = _progress(len(todo), job.progress and replicas.first)
+    bar = _progress(todo.end if todo.exhausted else None, job.progress and replicas.first)
 
-    def record_error(row: JobRow, message: str) -> None:
+    def record_error(row: JobRow, message: str, code: str | None = None) -> None:
         errors.write({"id": row.id, "line": row.line, "key": row.key, "error": message})
+        if out_format == "openai":
+            code = code or row.code or openai_batch.engine_error_code(message)
+            outputs.write(openai_batch.error_line(row.id, row.key, code, message))
         counts["errors"] += 1
         bar.update(replicas.finished() - bar.n)  # every replica's rows (the bar is on replica 0)
 
@@ -123,7 +273,18 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: list[JobRow]) -> 
         if output.error is not None:
             record_error(row, output.error)
             return
-        outputs.write(result_row(row.id, output))
+        if out_format == "openai":
+            body = openai_batch.response_body(row.request, output, tokens, model_name, int(time.time()), row.key)
+            outputs.write(openai_batch.result_line(row.id, row.key, body))
+        else:
+            record = result_row(row.id, output)
+            if row.keep:
+                record.update(row.keep)
+            try:
+                outputs.write(record)
+            except ValueError as exc:  # a Parquet id of the other type
+                record_error(row, str(exc))
+                return
         counts["rows"] += 1
         counts["input_tokens"] += output.prompt_tokens
         counts["output_tokens"] += output.total_completion_tokens
@@ -132,11 +293,15 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: list[JobRow]) -> 
         bar.set_postfix(tok_s=f"{counts['output_tokens'] / max(time.perf_counter() - start, 1e-9):.0f}")
 
     def take(want: int) -> list[tuple[JobRow, Any, Any]] | None:
-        picked = replicas.claim(want, len(todo))
-        if want > 0 and not picked:
+        picked = replicas.claim(want, todo.total)
+        rows = todo.rows(picked)
+        if want > 0 and not rows:
             return None  # every row has been handed out
+        if todo.exhausted and bar.total != todo.end:
+            bar.total = todo.end
+            bar.refresh()
         items = []
-        for row in (todo[i] for i in picked):
+        for row in rows:
             if row.error is not None:
                 record_error(row, row.error)
             else:
@@ -155,18 +320,22 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: list[JobRow]) -> 
     return {
         "replica": replicas.index, "ranks": list(range(first_rank, first_rank + tp.size)), **counts,
         "busy_s": time.perf_counter() - start, "interrupted": llm.interrupted, "latencies": latencies,
+        "read": todo.read, "already_done": todo.already_done,
     }
 
 
-def summarize(reports: list[dict[str, Any]], rows: int, todo: int, wall: float, config_yaml: str) -> dict[str, Any]:
-    """Totals over the replicas, and each replica's own rows, tokens and busy time."""
+def summarize(reports: list[dict[str, Any]], wall: float, config_yaml: str) -> dict[str, Any]:
+    """Totals over the replicas, and each replica's own rows, tokens and busy time. ``rows``: the input rows
+    read (all of them, unless the run was interrupted first)."""
     total = {k: sum(r[k] for r in reports) for k in ("rows", "errors", "input_tokens", "output_tokens")}
     latencies = [x for r in reports for x in r["latencies"]]
-    per_replica = [{k: v for k, v in r.items() if k != "latencies"} for r in reports]
+    furthest = max(reports, key=lambda r: r["read"])  # replicas read the same input; an interrupted one less
+    per_replica = [{k: v for k, v in r.items() if k not in ("latencies", "read", "already_done")} for r in reports]
     for r in per_replica:
         r["output_tokens_per_s"] = r["output_tokens"] / max(r["busy_s"], 1e-9)
     return {
-        "rows": rows, "already_done": rows - todo, "completed": total["rows"], "errors": total["errors"],
+        "rows": furthest["read"], "already_done": furthest["already_done"], "completed": total["rows"],
+        "errors": total["errors"],
         "interrupted": any(r["interrupted"] for r in reports), "input_tokens": total["input_tokens"],
         "output_tokens": total["output_tokens"], "output_tokens_per_s": total["output_tokens"] / max(wall, 1e-9),
         "wall_s": wall, "latency_s": _percentiles(latencies), "tp_size": get_tp().size, "dp_size": len(reports),

@@ -1,4 +1,5 @@
-"""The files of a job: input rows parsed and validated, output rows read back and appended.
+"""The files of a job: JSONL input rows parsed and validated (native rows or OpenAI batch lines), JSONL
+output rows read back and appended.
 
 Also the part files of data-parallel replicas other than the first: ``<output>.part-<r>``
 (and ``<errors>.part-<r>``), merged into the real files at the end of a run, or at the start
@@ -11,6 +12,7 @@ import glob
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,9 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from runtime.config import ConfigError
+from runtime.frontend import openai_batch
 from runtime.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+class InputError(ValueError):
+    """The input as a whole cannot be read as asked (a row-level problem is an error row instead)."""
 
 
 @dataclass
@@ -30,6 +37,9 @@ class JobRow:
     prompt: Any = None
     sampling: SamplingParams | None = None
     error: str | None = None
+    code: str | None = None  # OpenAI batch rows: the error's code
+    request: openai_batch.Request | None = None  # OpenAI batch rows: what the response needs
+    keep: dict[str, Any] | None = None  # table rows: the values of job.columns.keep
 
     @property
     def key(self) -> str:
@@ -72,19 +82,78 @@ def _beside(out: Path, suffix: str) -> Path:
     return out.with_suffix(suffix) if out.suffix in (".jsonl", ".json") else out.with_name(out.name + suffix)
 
 
-def read_rows(path: Path, defaults: SamplingParams, chat_template: bool) -> Iterator[JobRow]:
+def read_rows(path: Path, defaults: SamplingParams, chat_template: bool, fmt: str = "native") -> Iterator[JobRow]:
+    """The rows of a JSONL input in order; ``fmt``: native, openai or auto (from the first row that is an
+    object). A row of the other kind stops the reading (InputError naming its line): one file, one kind."""
+    kind = jsonl_format(path) if fmt == "auto" else fmt
     seen: set[str] = set()
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, 1):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                yield JobRow(line_no, None, error=f"{path}:{line_no} is not valid UTF-8 "
-                                                  f"(byte 0x{raw[exc.start]:02x} at column {exc.start + 1})")
+                error = f"{path}:{line_no} is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
+                yield JobRow(line_no, _salvage_custom_id(raw) if kind == "openai" else None, error=error,
+                             code="invalid_json")
                 continue
             if not line.strip():
                 continue
-            yield _parse_row(line, line_no, defaults, chat_template, seen)
+            obj, error = _load_json(line, line_no)
+            if error is not None:
+                yield JobRow(line_no, _salvage_custom_id(raw) if kind == "openai" else None, error=error,
+                             code="invalid_json")
+                continue
+            found = row_kind(obj)
+            if found is not None and found != kind:
+                raise InputError(f"{path}:{line_no} is {_KIND_NAMES[found]} in a file of {_KIND_PLURALS[kind]} "
+                                 f"({'job.format=' + fmt if fmt != 'auto' else 'as its first row says'}); "
+                                 "a file holds one kind of row")
+            if kind == "openai":
+                yield _openai_row(obj, line_no, defaults, seen)
+            else:
+                yield _native_row(obj, line_no, defaults, chat_template, seen)
+
+
+_KIND_NAMES = {"native": "a native row ({id, prompt | messages})", "openai": "an OpenAI batch line ({custom_id, body})"}
+_KIND_PLURALS = {"native": "native rows", "openai": "OpenAI batch lines"}
+
+
+def row_kind(obj: Any) -> str | None:
+    """openai (custom_id, or url and body), native (id, prompt or messages), or None: neither, an error row
+    either way."""
+    if not isinstance(obj, dict):
+        return None
+    if "custom_id" in obj or ("url" in obj and "body" in obj):
+        return "openai"
+    return "native" if {"id", "prompt", "messages"} & obj.keys() else None
+
+
+def jsonl_format(path: Path) -> str:
+    """openai or native: the kind of the first line that parses as a row; native when none does."""
+    with open(path, "rb") as f:
+        for raw in f:
+            try:
+                kind = row_kind(json.loads(raw))
+            except (ValueError, RecursionError):
+                continue
+            if kind is not None:
+                return kind
+    return "native"
+
+
+_CUSTOM_ID = re.compile(rb'"custom_id"\s*:\s*("(?:[^"\\]|\\.)*")')
+
+
+def _salvage_custom_id(raw: bytes) -> str | None:
+    """The custom_id of a line that is not valid JSON, when it can be read, so its error line names it."""
+    match = _CUSTOM_ID.search(raw)
+    if match is None:
+        return None
+    try:
+        value = json.loads(match.group(1).decode("utf-8", errors="replace"))
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
 
 
 def normalize_id(value: Any) -> str | int | None:
@@ -96,14 +165,17 @@ def normalize_id(value: Any) -> str | int | None:
     return value if isinstance(value, (str, int)) else None
 
 
-def _parse_row(line: str, line_no: int, defaults: SamplingParams, chat_template: bool, seen: set[str]) -> JobRow:
+def _load_json(line: str, line_no: int) -> tuple[Any, str | None]:
     try:
-        row = json.loads(line)
+        return json.loads(line), None
     except json.JSONDecodeError as exc:
         reason = exc.msg.removesuffix(" at")  # json's "Invalid control character at" already ends in "at"
-        return JobRow(line_no, None, error=f"line {line_no} is not valid JSON: {reason} at column {exc.colno}")
+        return None, f"line {line_no} is not valid JSON: {reason} at column {exc.colno}"
     except (ValueError, RecursionError) as exc:  # an integer over 4,300 digits, nesting deeper than the stack
-        return JobRow(line_no, None, error=f"line {line_no} cannot be read: {str(exc).splitlines()[0][:200]}")
+        return None, f"line {line_no} cannot be read: {str(exc).splitlines()[0][:200]}"
+
+
+def _native_row(row: Any, line_no: int, defaults: SamplingParams, chat_template: bool, seen: set[str]) -> JobRow:
     if not isinstance(row, dict):
         return JobRow(line_no, None, error=f"line {line_no} must be a JSON object")
     row_id = normalize_id(row.get("id"))
@@ -133,6 +205,27 @@ def _parse_row(line: str, line_no: int, defaults: SamplingParams, chat_template:
     except (TypeError, ValueError) as exc:
         return JobRow(line_no, row_id, error=f"line {line_no}: {exc}")
     return JobRow(line_no, row_id, prompt=prompt, sampling=sampling)
+
+
+def _openai_row(obj: Any, line_no: int, defaults: SamplingParams, seen: set[str]) -> JobRow:
+    """An OpenAI batch line; its id is its custom_id. Chat messages always get the chat template and a
+    completion prompt never does, whatever job.chat_template says, as the two endpoints do."""
+    if not isinstance(obj, dict):
+        return JobRow(line_no, None, error=f"line {line_no} must be a JSON object", code="invalid_request")
+    custom_id = obj.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return JobRow(line_no, None, code="invalid_request",
+                      error=f"line {line_no} has no usable 'custom_id' (a non-empty string): {custom_id!r}")
+    key = json.dumps(custom_id)
+    if key in seen:
+        return JobRow(line_no, custom_id, error=f"line {line_no}: duplicate custom_id {custom_id!r}",
+                      code="duplicate_custom_id")
+    seen.add(key)
+    try:
+        prompt, sampling, request = openai_batch.parse_line(obj, defaults)
+    except openai_batch.RequestError as exc:
+        return JobRow(line_no, custom_id, error=f"line {line_no}: {exc}", code=exc.code)
+    return JobRow(line_no, custom_id, prompt=prompt, sampling=sampling, request=request)
 
 
 def whole_lines(path: Path, repair: bool = False) -> list[bytes]:
@@ -208,6 +301,63 @@ def merge_parts(path: Path, results: bool = True) -> int:
     return added
 
 
+def served_custom_ids(path: Path) -> set[str]:
+    """Keys (the custom_id as JSON) of the requests an OpenAI batch output answers; error lines are not answers."""
+    keys = set()
+    for line in whole_lines(path):
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if openai_batch.is_served(obj) and isinstance(obj.get("custom_id"), str):
+            keys.add(json.dumps(obj["custom_id"]))
+    return keys
+
+
+def drop_error_lines(path: Path) -> int:
+    """Remove the error lines of an OpenAI batch output (and lines that are no result at all), so that a rerun
+    retries those requests and leaves one line each; returns how many went. Written aside and renamed over
+    the output: a kill meanwhile leaves the old file whole."""
+    lines = whole_lines(path, repair=True)
+
+    def served(line: bytes) -> bool:
+        try:
+            return openai_batch.is_served(json.loads(line))
+        except ValueError:
+            return False
+
+    kept = [line for line in lines if served(line)]
+    if len(kept) == len(lines):
+        return 0
+    write_atomic(path, b"".join(line + b"\n" for line in kept))
+    return len(lines) - len(kept)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` by ``data`` all at once (a temporary file beside it, synced, renamed over it)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    sync_dir(path.parent)
+
+
+def sync_dir(folder: Path) -> None:
+    """Make renames and new files in ``folder`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 class JsonlAppender:
     """Appends whole lines; flushes each, fsyncs at a cadence and on close."""
 
@@ -219,9 +369,10 @@ class JsonlAppender:
 
     def write(self, row: dict[str, Any]) -> None:
         try:
-            line = json.dumps(row, ensure_ascii=False).encode("utf-8")
+            line = json.dumps(row, ensure_ascii=False, default=str).encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate (valid JSON, e.g. in an id): escaped, it reads back the same
-            line = json.dumps(row).encode("ascii")
+            line = json.dumps(row, default=str).encode("ascii")
+        # default=str: a table's kept values that JSON has no type for (dates, decimals) are written as text
         self.file.write(line + b"\n")
         self.file.flush()
         if time.monotonic() - self.last_sync >= self.fsync_every_s:

@@ -283,7 +283,7 @@ def _place(run: Run, source: str) -> None:
     job = run.cfg.job
     if job.input is None:
         job.input = str(run.dir / "input.jsonl")
-    elif not Path(job.input).is_file():
+    elif not Path(job.input).exists():
         raise ConfigError(f"{source}: run {run.name}: config key 'job.input'={job.input} does not exist")
     job.output, job.errors, job.metrics = (str(run.dir / f) for f in ("output.jsonl", "errors.jsonl", "metrics.json"))
     run.paths.check_distinct()  # job.input inside the run's own folder, on top of one of its files

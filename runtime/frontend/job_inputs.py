@@ -1,0 +1,60 @@
+"""What a job reads and writes, decided from ``job.input``, ``job.output`` and ``job.format`` before anything
+is served: JSONL rows (native or OpenAI batch lines) or a table in; JSONL, OpenAI batch results or Parquet out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runtime.frontend.job_files import InputError, JobRow, jsonl_format, read_rows
+from runtime.sampling_params import SamplingParams
+
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
+@dataclass
+class JobInput:
+    path: Path
+    format: str  # native | openai | parquet | csv | arrow | datasets
+    rows: Callable[[], Iterator[JobRow]]  # every row in input order, a fresh iterator each call
+    id_type: str | None = None  # int | str when the input says (a table's id column); else the first row decides
+    id_note: str | None = None  # how ids were made when the input has none
+    kept: list[Any] = field(default_factory=list)  # pyarrow fields of job.columns.keep (tables)
+
+    @property
+    def is_table(self) -> bool:
+        return self.format not in ("native", "openai")
+
+
+def open_input(path: Path, job: Any, defaults: SamplingParams) -> JobInput:
+    """Open and check ``job.input`` (its kind, its columns); rows are read later, a batch at a time."""
+    from runtime.frontend.tables import table_kind
+
+    kind = table_kind(path)
+    if kind is None:
+        if job.columns.keep:
+            raise InputError(f"job.columns.keep={list(job.columns.keep)} applies to table inputs (Parquet, CSV, "
+                             f"Arrow, datasets); job.input={path} is JSONL")
+        fmt = jsonl_format(path) if job.format == "auto" else job.format
+        return JobInput(path, fmt, lambda: read_rows(path, defaults, job.chat_template, fmt))
+    if job.format != "auto":
+        raise InputError(f"job.format={job.format} applies to JSONL inputs; job.input={path} is a table ({kind})")
+    from runtime.frontend.tables import TableInput
+
+    table = TableInput(path, kind, job.columns)
+    return JobInput(path, kind, lambda: table.rows(defaults, job.chat_template), table.id_type, table.id_note,
+                    table.kept_fields())
+
+
+def output_format(output: Path, source: JobInput) -> str:
+    """jsonl (result rows), openai (batch result lines, for an OpenAI batch input) or parquet."""
+    parquet = output.suffix.lower() in PARQUET_SUFFIXES
+    if source.format == "openai":
+        if parquet:
+            raise InputError(f"an OpenAI batch input is answered with OpenAI batch result lines: job.output={output} "
+                             "must be a JSONL file, not Parquet")
+        return "openai"
+    return "parquet" if parquet else "jsonl"

@@ -1,0 +1,289 @@
+"""OpenAI request and response shapes: ``/v1/chat/completions`` and ``/v1/completions`` bodies to a prompt and
+SamplingParams, finished requests to ``chat.completion`` / ``text_completion`` bodies, and the lines of an
+OpenAI Batch file (``{"custom_id", "method", "url", "body"}`` in, ``{"id", "custom_id", "response", "error"}``
+out). Nothing here reads files or knows about jobs, so a server can build the same bodies.
+
+A request that cannot be served becomes a result line with ``"response": null`` and ``"error": {"code",
+"message"}``. Parameters a body leaves out (or sets to null) take the configured ``sampling`` defaults, as a
+native row's do. Beyond OpenAI's parameters, ``top_k``, ``ignore_eos`` and ``stop_token_ids`` are accepted
+(as vLLM does); parameters that change the output and are not implemented (penalties, ``logit_bias``, tools,
+``echo``...) are refused by name rather than ignored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.sampling_params import SamplingParams
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+URLS = (CHAT, COMPLETIONS)
+MIN_LOGPROB = -9999.0  # OpenAI's value for "very unlikely"; also keeps -inf out of the JSON
+
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "logprobs", "user",
+           "top_k", "ignore_eos", "stop_token_ids"}
+_ALLOWED = {
+    CHAT: _COMMON | {"messages", "max_completion_tokens", "top_logprobs"},
+    COMPLETIONS: _COMMON | {"prompt", "echo", "best_of"},
+}
+# Accepted only at the value that changes nothing (clients send them filled in).
+_NEUTRAL: dict[str, tuple[Any, ...]] = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
+                                        "stream": (False,), "logit_bias": ({},), "echo": (False,),
+                                        "best_of": (1,), "suffix": ("",)}
+_PASSED = ("temperature", "top_p", "n", "stop", "seed", "top_k", "ignore_eos", "stop_token_ids")
+
+
+class RequestError(ValueError):
+    """A request that cannot be served: ``code`` is machine-readable, the message names the parameter."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the response needs besides the engine's output."""
+
+    url: str  # CHAT or COMPLETIONS
+    model: str | None  # echoed when given
+    logprobs: int | None  # None: no logprobs; k: the sampled token's and k alternatives per position
+
+
+def parse_line(obj: Any, defaults: SamplingParams) -> tuple[Any, SamplingParams, Request]:
+    """A batch input line (parsed JSON, with ``custom_id`` checked by the caller) to (prompt, sampling, request)."""
+    method = obj.get("method")
+    if method != "POST":
+        raise RequestError("invalid_method", f"method {method!r} is not supported: batch lines are POST requests")
+    url = obj.get("url")
+    if url not in URLS:
+        raise RequestError("invalid_url", f"url {url!r} is not supported; use one of {list(URLS)}")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise RequestError("invalid_request", f"'body' must be a JSON object, not {type(body).__name__}")
+    return parse_body(url, body, defaults)
+
+
+def parse_body(url: str, body: dict[str, Any], defaults: SamplingParams) -> tuple[Any, SamplingParams, Request]:
+    """A request body of ``url`` to (prompt, sampling, request); raises RequestError naming what is wrong."""
+    body = {k: v for k, v in body.items() if v is not None}  # null means "the default", as in the API
+    unknown = sorted(set(body) - _ALLOWED[url] - set(_NEUTRAL))
+    if unknown:
+        raise RequestError("invalid_request", f"unsupported parameter(s) {unknown} for {url}")
+    for name, neutral in _NEUTRAL.items():
+        if name in body and not any(body[name] == v and type(body[name]) is type(v) for v in neutral):
+            raise RequestError("invalid_request", f"{name}={body[name]!r} is not supported (only {neutral[0]!r})")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RequestError("invalid_request", f"'model' must be a string, not {model!r}")
+    prompt = _messages(body.get("messages")) if url == CHAT else _prompt(body.get("prompt"))
+    values = {name: body[name] for name in _PASSED if name in body}
+    names = {"max_new_tokens": "max_tokens"}  # ours -> theirs, for error messages
+    lengths = {k: body[k] for k in ("max_completion_tokens", "max_tokens") if k in body}
+    if len(set(map(repr, lengths.values()))) > 1:
+        raise RequestError("invalid_request", f"max_tokens and max_completion_tokens differ: {lengths}")
+    if lengths:
+        names["max_new_tokens"], values["max_new_tokens"] = next(iter(lengths.items()))
+    logprobs = _logprobs(url, body)
+    if logprobs is not None:
+        values["logprobs"] = logprobs
+        names["logprobs"] = "top_logprobs" if url == CHAT else "logprobs"
+    try:
+        sampling = SamplingParams.from_dict(values, base=defaults)
+    except (TypeError, ValueError) as exc:
+        message = str(exc)
+        for ours, theirs in names.items():
+            message = message.replace(f"sampling parameter {ours}=", f"{theirs}=")
+        raise RequestError("invalid_request", message.replace("sampling parameter ", "")) from None
+    return prompt, sampling, Request(url, model, logprobs)
+
+
+def _logprobs(url: str, body: dict[str, Any]) -> int | None:
+    value = body.get("logprobs")
+    if url == COMPLETIONS:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise RequestError("invalid_request", f"logprobs={value!r} must be an integer (alternatives per token)")
+        return value
+    if value is not None and not isinstance(value, bool):
+        raise RequestError("invalid_request", f"logprobs={value!r} must be true or false")
+    top = body.get("top_logprobs")
+    if top is not None and not value:
+        raise RequestError("invalid_request", "top_logprobs needs logprobs=true")
+    if not value:
+        return None
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int)):
+        raise RequestError("invalid_request", f"top_logprobs={top!r} must be an integer")
+    return 0 if top is None else top
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise RequestError("invalid_request", "'messages' must be a non-empty list of {role, content} objects")
+    messages = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RequestError("invalid_request", f"messages[{i}] must be an object with a string 'role'")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text only
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise RequestError("invalid_request", f"messages[{i}].content[{j}] is of type {kind!r}: "
+                                                          "only text parts are supported")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        if not isinstance(content, str):
+            raise RequestError("invalid_request", f"messages[{i}].content must be a string or a list of text parts")
+        messages.append({"role": message["role"], "content": content})
+    return messages
+
+
+def _prompt(value: Any) -> str | list[int]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # a batch of one prompt
+    if isinstance(value, str):
+        if not value:
+            raise RequestError("invalid_request", "'prompt' is empty")
+        return value
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return list(value)
+    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        raise RequestError("invalid_request", f"'prompt' holds {len(value)} prompts; a batch line takes one "
+                                              "(a string or a list of token ids): give each its own line")
+    raise RequestError("invalid_request", "'prompt' must be a string or a non-empty list of token ids")
+
+
+# ---- responses ----------------------------------------------------------------------------------------------
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character a byte-level BPE vocabulary uses for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class TokenText:
+    """A token's text and its UTF-8 bytes for logprobs. Bytes come from the vocabulary entry where it is
+    byte-level (a token that splits a character still has its own bytes), else from the decoded text."""
+
+    _decoder = _byte_decoder()
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int] | None]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int] | None]:
+        found = self._cache.get(token_id)
+        if found is None:
+            found = self._cache[token_id] = self._lookup(token_id)
+        return found
+
+    def _lookup(self, token_id: int) -> tuple[str, list[int] | None]:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}", None
+        text = self.tokenizer.decode([token_id])
+        vocabulary = getattr(self.tokenizer, "convert_ids_to_tokens", None)
+        raw = vocabulary(token_id) if vocabulary is not None else None
+        if isinstance(raw, str) and raw:
+            byte = _BYTE_TOKEN.fullmatch(raw)
+            if byte:
+                return text, [int(byte.group(1), 16)]
+            if all(c in self._decoder for c in raw):
+                return text, [self._decoder[c] for c in raw]
+        return text, list(text.encode("utf-8", errors="surrogatepass"))
+
+
+def _logprob(value: float) -> float:
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB  # NaN-free: -inf and underflows become the floor
+
+
+def _chat_logprobs(entries: list[dict[str, Any]], k: int, tokens: TokenText) -> dict[str, Any]:
+    def token(token_id: int, logprob: float) -> dict[str, Any]:
+        text, raw = tokens(token_id)
+        return {"token": text, "logprob": _logprob(logprob), "bytes": raw}
+
+    content = [{**token(e["token_id"], e["logprob"]), "top_logprobs": [token(int(t), lp) for t, lp in e["top"][:k]]}
+               for e in entries]
+    return {"content": content, "refusal": None}
+
+
+def _completion_logprobs(entries: list[dict[str, Any]], k: int, tokens: TokenText) -> dict[str, Any]:
+    texts, logprobs, tops, offsets, offset = [], [], [], [], 0
+    for e in entries:
+        text = tokens(e["token_id"])[0]
+        top = {tokens(int(t))[0]: _logprob(lp) for t, lp in e["top"][:k]}
+        top.setdefault(text, _logprob(e["logprob"]))  # the sampled token is always listed, as the API does
+        texts.append(text)
+        logprobs.append(_logprob(e["logprob"]))
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def response_body(request: Request, output: Any, tokens: TokenText, model: str, created: int,
+                  key: str) -> dict[str, Any]:
+    """The ``chat.completion`` or ``text_completion`` body of a finished request (``output``: a RequestOutput,
+    one choice per sample); ``key`` names the request and makes the body's id."""
+    chat = request.url == CHAT
+    choices = []
+    for sample in output.outputs:
+        logprobs = None
+        if request.logprobs is not None and sample.logprobs is not None:
+            build = _chat_logprobs if chat else _completion_logprobs
+            logprobs = build(sample.logprobs, request.logprobs, tokens)
+        choice: dict[str, Any] = {"index": sample.sample_index}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": sample.text, "refusal": None}
+        else:
+            choice["text"] = sample.text
+        choice.update(logprobs=logprobs, finish_reason=sample.finish_reason)
+        choices.append(choice)
+    completion_tokens = sum(s.completion_tokens for s in output.outputs)
+    return {
+        "id": ("chatcmpl-" if chat else "cmpl-") + _digest(key),
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created, "model": request.model or model, "choices": choices,
+        "usage": {"prompt_tokens": output.prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": output.prompt_tokens + completion_tokens},
+    }
+
+
+def result_line(custom_id: str, key: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A batch output line for a served request."""
+    return {"id": "batch_req_" + _digest(key), "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": "req_" + _digest(key), "body": body}, "error": None}
+
+
+def error_line(custom_id: str | None, key: str, code: str, message: str) -> dict[str, Any]:
+    """A batch output line for a request that could not be served (its id differs from a result's)."""
+    return {"id": "batch_req_" + _digest("error " + key), "custom_id": custom_id, "response": None,
+            "error": {"code": code, "message": message}}
+
+
+def engine_error_code(message: str) -> str:
+    """The code for a request the engine refused (the message says why)."""
+    return "context_length_exceeded" if "maximum sequence length" in message else "invalid_request"
+
+
+def is_served(line: dict[str, Any]) -> bool:
+    """A result line with a response (an error line is retried by the next run)."""
+    return isinstance(line, dict) and isinstance(line.get("response"), dict) and line.get("error") is None
+
+
+def _digest(key: str) -> str:
+    """Ids are derived from the request's key, so a rerun writes the same ones."""
+    return hashlib.sha256(key.encode("utf-8", errors="surrogatepass")).hexdigest()[:24]

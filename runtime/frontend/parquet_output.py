@@ -1,0 +1,214 @@
+"""Parquet output (``job.output=*.parquet``): the JSONL result columns plus the kept ones, written so that a
+kill loses at most the rows not yet flushed.
+
+A Parquet file can be read only once its footer is written, and pyarrow cannot append to a closed file. So
+finished rows are buffered and flushed as a small, complete Parquet file of their own,
+``<output>.part-<replica>-<run>-<n>`` (written under a hidden name, synced, then renamed: it is there whole
+or not at all), every ``job.row_group_rows`` rows or ``job.fsync_every_s`` seconds. At the end of a run, or
+at the start of the next one after a kill, the first replica folds the output and every part into a new
+output file (again written aside and renamed over it, ids that appear twice kept once), then deletes the
+parts. Resume reads the ids of the output and of every part.
+
+Column types: ``id`` is int64 or string (as in the output already there, else the table's id column, else the
+input's first row); logprob entries are ``{token_id, logprob, top: [{token_id, logprob}]}`` structs; kept
+columns keep their input type.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from runtime.frontend.job_files import normalize_id, part_files, sync_dir
+
+log = logging.getLogger(__name__)
+
+ID_NOTE_KEY = b"tpinfer.ids"  # schema metadata: how ids were made, when they are row numbers
+
+_TOP = pa.list_(pa.struct([("token_id", pa.int64()), ("logprob", pa.float64())]))
+_LOGPROB = pa.struct([("token_id", pa.int64()), ("logprob", pa.float64()), ("top", _TOP)])
+_CHOICE = pa.struct([("index", pa.int64()), ("text", pa.string()), ("finish_reason", pa.string()),
+                     ("completion_tokens", pa.int64()), ("logprobs", pa.list_(_LOGPROB)),
+                     ("cumulative_logprob", pa.float64())])
+
+
+def result_schema(id_type: str, kept: list[pa.Field], id_note: str | None = None) -> pa.Schema:
+    """The output's columns: those of a JSONL result row (absent keys are nulls), then the kept ones."""
+    fields = [
+        pa.field("id", pa.int64() if id_type == "int" else pa.string()),
+        pa.field("text", pa.string()), pa.field("finish_reason", pa.string()),
+        pa.field("completion_tokens", pa.int64()), pa.field("prompt_tokens", pa.int64()),
+        pa.field("logprobs", pa.list_(_LOGPROB)), pa.field("cumulative_logprob", pa.float64()),
+        pa.field("choices", pa.list_(_CHOICE)), pa.field("prompt_logprobs", pa.list_(_LOGPROB)),
+        *kept,
+    ]
+    return pa.schema(fields, metadata={ID_NOTE_KEY: id_note.encode()} if id_note else None)
+
+
+def _entries(entries: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    if entries is None:
+        return None
+    return [None if e is None else {"token_id": e["token_id"], "logprob": e["logprob"],
+                                    "top": [{"token_id": int(t), "logprob": lp} for t, lp in e["top"]]}
+            for e in entries]
+
+
+def _parquet_row(record: dict[str, Any]) -> dict[str, Any]:
+    """A JSONL result row (plus kept values) in the Parquet columns' shapes."""
+    row = dict(record)
+    for key in ("logprobs", "prompt_logprobs"):
+        row[key] = _entries(row.get(key))
+    if "choices" in row:
+        row["choices"] = [{**c, "logprobs": _entries(c.get("logprobs"))} for c in row["choices"]]
+    return row
+
+
+class ParquetSink:
+    """Buffers one replica's result rows and flushes them as part files (see the module's docstring)."""
+
+    def __init__(self, output: Path, replica: int, schema: pa.Schema, row_group_rows: int,
+                 flush_every_s: float) -> None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        self.output, self.schema = output, schema
+        self.prefix = f"{output.name}.part-{replica}-{time.time_ns()}-"  # never a name an earlier run used
+        self.row_group_rows, self.flush_every_s = row_group_rows, flush_every_s
+        self.id_is_int = pa.types.is_integer(schema.field("id").type)
+        self.rows: list[dict[str, Any]] = []
+        self.first_at = 0.0
+        self.flushed = 0
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Raises ValueError (nothing written) for an id of the other type than the output's id column."""
+        if isinstance(record["id"], int) != self.id_is_int:
+            column = "integers" if self.id_is_int else "strings"
+            raise ValueError(f"id {record['id']!r}: the Parquet output's id column holds {column} (set by the "
+                             "first row); write ids of mixed types to a JSONL output")
+        if not self.rows:
+            self.first_at = time.monotonic()
+        self.rows.append(_parquet_row(record))
+        if len(self.rows) >= self.row_group_rows or time.monotonic() - self.first_at >= self.flush_every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.rows:
+            return
+        table = pa.Table.from_pylist(self.rows, schema=self.schema)
+        final = self.output.with_name(f"{self.prefix}{self.flushed:06d}")
+        write_table_atomic(table, final, len(self.rows))
+        self.flushed += 1
+        self.rows.clear()
+
+    def close(self) -> None:
+        self.flush()
+        sync_dir(self.output.parent)
+
+
+def write_table_atomic(table: pa.Table, path: Path, row_group_rows: int) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        pq.write_table(table, f, row_group_size=max(1, row_group_rows))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _readable(files: list[Path]) -> Iterator[tuple[Path, pq.ParquetFile]]:
+    """The files that open as Parquet; any other (damaged on disk) is renamed aside with a warning, and its
+    rows are served again."""
+    for f in files:
+        try:
+            yield f, pq.ParquetFile(f)
+        except (pa.ArrowException, OSError) as exc:
+            aside = f.with_name(f".{f.name}.unreadable")
+            log.warning("%s is not readable Parquet (%s); moved to %s, its rows are served again", f, exc, aside)
+            os.replace(f, aside)
+
+
+def _sources(output: Path) -> list[Path]:
+    return ([output] if output.exists() else []) + part_files(output)
+
+
+def existing_schema(output: Path) -> pa.Schema | None:
+    """The schema of the output or of its first part, when there is either."""
+    for _, reader in _readable(_sources(output)):
+        return reader.schema_arrow
+    return None
+
+
+def _keys(ids: list[Any]) -> list[str]:
+    return [json.dumps(normalize_id(v)) for v in ids]
+
+
+def done_keys(output: Path) -> set[str]:
+    """Ids (as JSON keys) of the rows in the output and its parts."""
+    keys: set[str] = set()
+    for _, reader in _readable(_sources(output)):
+        for batch in reader.iter_batches(columns=["id"]):
+            keys.update(_keys(batch.column(0).to_pylist()))
+    return keys
+
+
+def merge_parts(output: Path, row_group_rows: int) -> int:
+    """Fold every part into the output (ids already there are not added twice), then delete the parts; returns
+    the rows added. A kill at any point leaves the output whole and the parts (or their rows) in place."""
+    for stale in output.parent.glob(glob.escape(f".{output.name}.part-") + "*.tmp"):
+        stale.unlink()  # a flush killed before its rename
+    parts = part_files(output)
+    if not parts:
+        return 0
+    sources = list(_readable(_sources(output)))
+    if not sources:
+        return 0
+    schema = sources[0][1].schema_arrow
+    for f, reader in sources[1:]:
+        if reader.schema_arrow.names != schema.names:
+            raise ValueError(f"{f} has columns {reader.schema_arrow.names}, {sources[0][0]} has {schema.names}: "
+                             "parts of one output must have the same columns (was job.columns.keep changed?)")
+    seen: set[str] = set()
+    added = 0
+    tmp = output.with_name(f".{output.name}.merging")
+    pending: list[pa.RecordBatch] = []
+    with open(tmp, "wb") as f, pq.ParquetWriter(f, schema) as writer:
+        def write(last: bool) -> None:
+            """Whole row groups of what is pending (everything, ``last``): the output's row groups are full
+            whatever the sizes of the parts."""
+            rows = sum(b.num_rows for b in pending)
+            if not pending or (rows < row_group_rows and not last):
+                return
+            table = pa.Table.from_batches(pending, schema)
+            whole = rows if last else rows - rows % row_group_rows
+            writer.write_table(table.slice(0, whole), row_group_size=row_group_rows)
+            pending[:] = table.slice(whole).to_batches()
+
+        for path, reader in sources:
+            for batch in reader.iter_batches(batch_size=row_group_rows):
+                batch = pa.RecordBatch.from_arrays(batch.columns, schema=schema)  # the output's metadata
+                keys = _keys(batch.column(0).to_pylist())
+                keep = [k not in seen and not seen.add(k) for k in keys]
+                if not all(keep):
+                    batch = batch.filter(pa.array(keep))
+                if path != output:
+                    added += batch.num_rows
+                pending.append(batch)
+                write(False)
+        write(True)
+        writer.close()
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, output)
+    sync_dir(output.parent)
+    for path, _ in sources:
+        if path != output:
+            path.unlink()
+    for part in part_files(output):  # unreadable ones were moved aside; anything left is no part of ours
+        log.warning("%s was not merged into %s", part, output)
+    return added

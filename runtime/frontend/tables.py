@@ -1,0 +1,260 @@
+"""Table inputs: Parquet, CSV and Arrow files, folders of Parquet or Arrow shards, and folders written by
+``datasets.Dataset.save_to_disk``, read with pyarrow a batch at a time (only the chosen columns), so a table
+larger than memory streams and the first rows are served while the rest is still on disk.
+
+Columns (``job.columns``): ``id`` (default ``id``; a table without that column uses the row number, counted
+from 0, as the id), ``prompt`` (text or token ids) or ``messages`` (a chat: a list of ``{role, content}``,
+ShareGPT's ``{from, value}`` too, or that list as JSON text), and ``keep``: columns copied to every result.
+A table row is named by its row number (from 0) in error messages. Rows take the ``sampling`` defaults.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+import pyarrow.dataset as pa_dataset
+import pyarrow.parquet as pq
+
+from runtime.frontend.job_files import InputError, JobRow, normalize_id
+from runtime.sampling_params import SamplingParams
+
+BATCH_ROWS = 4096  # rows converted to Python at a time
+SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "csv", ".arrow": "arrow",
+            ".feather": "arrow", ".ipc": "arrow"}
+RESULT_COLUMNS = ("id", "text", "finish_reason", "completion_tokens", "prompt_tokens", "logprobs",
+                  "cumulative_logprob", "choices", "prompt_logprobs")
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                   "system": "system", "tool": "tool"}
+
+
+def table_kind(path: Path) -> str | None:
+    """parquet, csv, arrow or datasets for a table input; None for a JSONL file."""
+    if path.is_dir():
+        if (path / "dataset_dict.json").is_file():
+            splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+            raise InputError(f"job.input={path} holds a datasets DatasetDict with splits {splits}: point job.input "
+                             f"at one split's folder (e.g. {path / (splits[0] if splits else 'train')})")
+        if (path / "state.json").is_file():
+            return "datasets"
+        if any(path.rglob("*.parquet")):
+            return "parquet"
+        if any(path.rglob("*.arrow")):
+            return "arrow"
+        raise InputError(f"job.input={path} is a folder without .parquet or .arrow files (nor a folder written by "
+                         "datasets' save_to_disk)")
+    return SUFFIXES.get(path.suffix.lower())
+
+
+@dataclass
+class Columns:
+    id: str | None  # None: the row number is the id
+    prompt: str | None
+    messages: str | None
+    keep: list[str]
+
+
+class TableInput:
+    """One table input: its files, its schema and the chosen columns, checked when opened."""
+
+    def __init__(self, path: Path, kind: str, columns: Any) -> None:
+        self.path, self.kind = path, kind
+        self.files = self._files()
+        self.schema = self._schema(self.files[0])
+        self.columns = self._choose(columns)
+
+    @property
+    def id_note(self) -> str | None:
+        """Said in the log, the metrics and the Parquet output when ids are row numbers."""
+        return None if self.columns.id else f"ids are row numbers (from 0) of {self.path}: it has no 'id' column"
+
+    @property
+    def id_type(self) -> str | None:
+        """int or str when the id column says which (row numbers are ints)."""
+        if self.columns.id is None:
+            return "int"
+        kind = self.schema.field(self.columns.id).type
+        if pa.types.is_integer(kind) or pa.types.is_floating(kind):
+            return "int"
+        return "str" if pa.types.is_string(kind) or pa.types.is_large_string(kind) else None
+
+    def kept_fields(self) -> list[pa.Field]:
+        return [self.schema.field(name) for name in self.columns.keep]
+
+    # ---- files ---------------------------------------------------------------------------------------------
+    def _files(self) -> list[Path]:
+        path = self.path
+        if self.kind == "datasets":
+            state = json.loads((path / "state.json").read_text())
+            files = [path / f["filename"] for f in state.get("_data_files", [])]
+        elif path.is_dir():
+            suffix = ".parquet" if self.kind == "parquet" else ".arrow"
+            if self.kind == "parquet":  # pyarrow finds the shards (hidden and underscore files left out)
+                files = [Path(f) for f in pa_dataset.dataset(path, format="parquet").files]
+            else:
+                files = list(path.rglob("*" + suffix))
+            files = sorted(files)
+        else:
+            files = [path]
+        if not files:
+            raise InputError(f"job.input={path} lists no data files")
+        return files
+
+    def _schema(self, file: Path) -> pa.Schema:
+        try:
+            if self.kind == "parquet":
+                return pq.ParquetFile(file).schema_arrow
+            if self.kind == "csv":
+                return pa_csv.open_csv(file, parse_options=self._csv_parse()).schema
+            return self._open_arrow(file).schema
+        except (pa.ArrowException, OSError) as exc:
+            raise InputError(f"job.input={file} is not a readable {_KIND_NAMES[self.kind]} file: "
+                             f"{_first_line(exc)}") from None
+
+    def _csv_parse(self) -> pa_csv.ParseOptions:
+        return pa_csv.ParseOptions(delimiter="\t" if self.path.suffix.lower() == ".tsv" else ",",
+                                   newlines_in_values=True)
+
+    @staticmethod
+    def _open_arrow(file: Path) -> Any:
+        """Arrow IPC: the file format, or the stream format (what save_to_disk writes), memory-mapped."""
+        source = pa.memory_map(str(file))
+        try:
+            return pa.ipc.open_file(source)
+        except pa.ArrowInvalid:
+            return pa.ipc.open_stream(pa.memory_map(str(file)))
+
+    def _choose(self, cfg: Any) -> Columns:
+        names = self.schema.names
+
+        def missing(key: str, name: str) -> InputError:
+            return InputError(f"job.columns.{key}={name!r} is not a column of {self.path}; its columns: {names}")
+
+        for key, default in (("prompt", "prompt"), ("messages", "messages"), ("id", "id")):
+            name = getattr(cfg, key)
+            if name is not None and name != default and name not in names:
+                raise missing(key, name)
+        prompt = cfg.prompt if cfg.prompt in names else None
+        messages = cfg.messages if cfg.messages in names else None
+        if prompt and messages:
+            raise InputError(f"{self.path} has both a {prompt!r} and a {messages!r} column: choose one with "
+                             "job.columns.prompt=null or job.columns.messages=null")
+        if not prompt and not messages:
+            raise InputError(f"{self.path} has no prompt column: name it with job.columns.prompt=<column> (text or "
+                             f"token ids) or job.columns.messages=<column> (chats); its columns: {names}")
+        keep = list(cfg.keep)
+        for name in keep:
+            if name not in names:
+                raise missing("keep", name)
+            if name in RESULT_COLUMNS:
+                raise InputError(f"job.columns.keep={keep}: {name!r} is also a result column; keep columns must "
+                                 f"have other names than {list(RESULT_COLUMNS)}")
+        return Columns(cfg.id if cfg.id in names else None, prompt, messages, keep)
+
+    # ---- rows ----------------------------------------------------------------------------------------------
+    def batches(self) -> Iterator[pa.RecordBatch]:
+        """The chosen columns, in row order, a batch at a time."""
+        c = self.columns
+        wanted = list(dict.fromkeys(n for n in (c.id, c.prompt, c.messages, *c.keep) if n))
+        for file in self.files:
+            try:
+                yield from self._file_batches(file, wanted)
+            except (pa.ArrowException, OSError) as exc:
+                raise InputError(f"job.input={file} cannot be read as {_KIND_NAMES[self.kind]}: "
+                                 f"{_first_line(exc)}") from None
+
+    def _file_batches(self, file: Path, wanted: list[str]) -> Iterator[pa.RecordBatch]:
+        if self.kind == "parquet":
+            reader = pq.ParquetFile(file)
+            absent = [n for n in wanted if n not in reader.schema_arrow.names]
+            if absent:
+                raise InputError(f"{file} has no column(s) {absent}; its columns: {reader.schema_arrow.names}")
+            yield from reader.iter_batches(batch_size=BATCH_ROWS, columns=wanted)
+        elif self.kind == "csv":
+            text = {n: pa.string() for n in (self.columns.prompt, self.columns.messages) if n}
+            yield from pa_csv.open_csv(file, parse_options=self._csv_parse(),
+                                       convert_options=pa_csv.ConvertOptions(include_columns=wanted, column_types=text))
+        else:
+            reader = self._open_arrow(file)
+            absent = [n for n in wanted if n not in reader.schema.names]
+            if absent:
+                raise InputError(f"{file} has no column(s) {absent}; its columns: {reader.schema.names}")
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) \
+                if isinstance(reader, pa.ipc.RecordBatchFileReader) else reader
+            for batch in batches:
+                yield batch.select(wanted)
+
+    def rows(self, defaults: SamplingParams, chat_template: bool) -> Iterator[JobRow]:
+        """Every row as a JobRow, in order; a row that cannot be served is an error row naming its number."""
+        c = self.columns
+        seen: set[str] = set()
+        number = 0
+        for batch in self.batches():
+            size = batch.num_rows
+            ids = batch.column(c.id).to_pylist() if c.id else range(number, number + size)
+            prompts = batch.column(c.prompt or c.messages).to_pylist()
+            kept = [batch.column(name).to_pylist() for name in c.keep]
+            for i in range(size):
+                row = self._row(number + i, ids[i], prompts[i], defaults, chat_template, seen)
+                if kept:
+                    row.keep = {name: values[i] for name, values in zip(c.keep, kept)}
+                yield row
+            number += size
+
+    def _row(self, number: int, raw_id: Any, value: Any, defaults: SamplingParams, chat_template: bool,
+             seen: set[str]) -> JobRow:
+        c = self.columns
+        row_id = normalize_id(raw_id)
+        if row_id is None:
+            return JobRow(number, None, error=f"row {number}: column {c.id!r} holds no usable id (a string or an "
+                                              f"integer): {raw_id!r}")
+        key = json.dumps(row_id)
+        if key in seen:
+            return JobRow(number, row_id, error=f"row {number}: duplicate id {row_id!r}")
+        seen.add(key)
+        try:
+            prompt = _messages(value) if c.messages else _prompt(value)
+        except ValueError as exc:
+            return JobRow(number, row_id, error=f"row {number}: column {c.prompt or c.messages!r} {exc}")
+        if isinstance(prompt, str) and chat_template:
+            prompt = [{"role": "user", "content": prompt}]
+        return JobRow(number, row_id, prompt=prompt, sampling=defaults)
+
+
+def _prompt(value: Any) -> str | list[int]:
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError("is empty")
+        return value
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return value
+    raise ValueError(f"must hold text or a non-empty list of token ids, not {_kind(value)}")
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ValueError("holds text that is not a JSON list of messages") from None
+    if not isinstance(value, list) or not value or not all(isinstance(m, dict) for m in value):
+        raise ValueError(f"must hold a non-empty list of messages, not {_kind(value)}")
+    if all("from" in m and "value" in m and "role" not in m for m in value):  # ShareGPT
+        return [{"role": _SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m["value"]} for m in value]
+    return value
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+_KIND_NAMES = {"parquet": "Parquet", "csv": "CSV", "arrow": "Arrow IPC", "datasets": "datasets save_to_disk Arrow"}

@@ -1,0 +1,359 @@
+"""Tables in (Parquet, CSV, Arrow, datasets' save_to_disk, folders of shards) and Parquet out: the same texts as
+the same rows in JSONL, kept columns, row numbers as ids, clear errors for bad inputs, streaming, and a Parquet
+output that survives kill -9 (CPU, a tiny random Llama with the default model's tokenizer)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+import pyarrow.parquet as pq
+import pytest
+
+from runtime import LLM
+from runtime.config import JobColumnsSection
+from runtime.frontend import parquet_output
+from runtime.frontend.job import Todo, run_job
+from runtime.frontend.job_files import InputError, JobRow, part_files
+from runtime.frontend.tables import TableInput, table_kind
+from tests.conftest import make_tiny_llama
+from tests.test_output_lock import kill_job
+
+REPO = Path(__file__).resolve().parents[1]
+QUESTIONS = ["What is the capital of France?", "Name a color.", "What is 3 + 4?", "Say hi.", "Name a fruit.",
+             "What is the opposite of hot?", "Name a planet.", "What do bees make?"]
+IDS = [101, 7, 55, 3, 42, 900, 12, 8]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    path = make_tiny_llama(tmp_path_factory.mktemp("table_model"), vocab=49152, heads=4, kv_heads=2, layers=2, seed=3)
+    for f in default_model_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+            shutil.copy(f, path / f.name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(text_model: Path) -> LLM:
+    return LLM(str(text_model), overrides=["engine.device=cpu", "model.dtype=float32", "model.max_seq_len=128",
+                                           "job.progress=false", "sampling.temperature=0", "sampling.max_new_tokens=5",
+                                           "job.lock_wait_s=0"])
+
+
+def _job(llm: LLM, source: Path, out: Path, **columns: object) -> dict:
+    base = llm.cfg.job
+    llm.cfg.job = replace(base, input=str(source), output=str(out), columns=JobColumnsSection(**columns))
+    try:
+        return run_job(llm, "cfg")
+    finally:
+        llm.cfg.job = base
+
+
+def _texts(out: Path) -> dict:
+    if out.suffix == ".parquet":
+        rows = pq.read_table(out).to_pylist()
+    else:
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+    texts = {r["id"]: r["text"] for r in rows}
+    assert len(texts) == len(rows), "an id was written twice"
+    return texts
+
+
+@pytest.fixture(scope="module")
+def reference(llm: LLM, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    folder = tmp_path_factory.mktemp("jsonl")
+    rows = folder / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"id": i, "prompt": q}) + "\n" for i, q in zip(IDS, QUESTIONS)))
+    assert _job(llm, rows, folder / "out.jsonl")["completed"] == len(IDS)
+    return _texts(folder / "out.jsonl")
+
+
+def _table() -> pa.Table:
+    return pa.table({"qid": IDS, "question": QUESTIONS, "source": [f"s{i}" for i in range(8)],
+                     "score": [0.5 * i for i in range(8)]})
+
+
+def _write_inputs(folder: Path) -> dict[str, Path]:
+    """The same table in every input kind."""
+    table = _table()
+    paths = {"parquet": folder / "in.parquet", "csv": folder / "in.csv", "arrow-file": folder / "in.arrow",
+             "arrow-stream": folder / "stream.arrow", "shards": folder / "shards", "datasets": folder / "saved"}
+    pq.write_table(table, paths["parquet"], row_group_size=3)
+    pa_csv.write_csv(table, paths["csv"])
+    with pa.ipc.new_file(paths["arrow-file"], table.schema) as w:
+        w.write_table(table, max_chunksize=3)
+    with pa.ipc.new_stream(paths["arrow-stream"], table.schema) as w:
+        w.write_table(table, max_chunksize=5)
+    paths["shards"].mkdir()
+    for i, start in enumerate((0, 3, 5)):  # shard names sort in row order
+        pq.write_table(table.slice(start, {0: 3, 3: 2, 5: 3}[start]), paths["shards"] / f"part-{i:05d}.parquet")
+    (paths["shards"] / "_SUCCESS").write_text("")  # what Spark leaves; not a shard
+    try:
+        import datasets
+    except ImportError:  # the layout save_to_disk writes: Arrow stream files listed in state.json
+        paths["datasets"].mkdir()
+        with pa.ipc.new_stream(paths["datasets"] / "data-00000-of-00001.arrow", table.schema) as w:
+            w.write_table(table)
+        (paths["datasets"] / "state.json").write_text(json.dumps({"_data_files": [
+            {"filename": "data-00000-of-00001.arrow"}]}))
+    else:
+        datasets.Dataset(table).save_to_disk(str(paths["datasets"]), num_shards=2)
+    return paths
+
+
+def test_every_table_kind_with_renamed_columns_gives_the_jsonl_texts(llm, reference, tmp_path):
+    for kind, path in _write_inputs(tmp_path).items():
+        out = tmp_path / f"{kind}.jsonl"
+        metrics = _job(llm, path, out, id="qid", prompt="question")
+        assert metrics["completed"] == len(IDS) and metrics["errors"] == 0, kind
+        assert _texts(out) == reference, kind
+    assert table_kind(tmp_path / "saved") == "datasets" and table_kind(tmp_path / "shards") == "parquet"
+
+
+def test_chat_columns_and_sharegpt_conversations(llm, tmp_path):
+    chats = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": q}] for q in QUESTIONS[:4]]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"id": i, "messages": m}) + "\n" for i, m in enumerate(chats)))
+    _job(llm, rows, tmp_path / "ref.jsonl")
+    pq.write_table(pa.table({"conversation": chats}), tmp_path / "chats.parquet")  # list<struct<role, content>>
+    assert _job(llm, tmp_path / "chats.parquet", tmp_path / "chats.jsonl", messages="conversation")["errors"] == 0
+    sharegpt = [[{"from": "system", "value": m[0]["content"]}, {"from": "human", "value": m[1]["content"]}]
+                for m in chats]
+    pq.write_table(pa.table({"conversations": sharegpt}), tmp_path / "sharegpt.parquet")
+    _job(llm, tmp_path / "sharegpt.parquet", tmp_path / "sharegpt.jsonl", messages="conversations")
+    assert _texts(tmp_path / "chats.jsonl") == _texts(tmp_path / "sharegpt.jsonl") == _texts(tmp_path / "ref.jsonl")
+
+
+def test_kept_columns_and_row_numbers_as_ids(llm, reference, tmp_path):
+    table = _table().drop_columns(["qid"])
+    pq.write_table(table, tmp_path / "in.parquet")
+    metrics = _job(llm, tmp_path / "in.parquet", tmp_path / "out.jsonl", prompt="question", keep=["source", "score"])
+    assert "row numbers (from 0)" in metrics["ids"]
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert sorted((r["id"], r["source"], r["score"]) for r in rows) == [(i, f"s{i}", 0.5 * i) for i in range(8)]
+    assert {r["id"]: r["text"] for r in rows} == {i: reference[qid] for i, qid in enumerate(IDS)}
+
+    out = tmp_path / "out.parquet"
+    _job(llm, tmp_path / "in.parquet", out, prompt="question", keep=["source", "score"])
+    written = pq.read_table(out)
+    assert written.schema.names == [*parquet_output.result_schema("int", []).names, "source", "score"]
+    assert written.schema.field("score").type == pa.float64() and written.schema.field("id").type == pa.int64()
+    assert b"row numbers" in written.schema.metadata[parquet_output.ID_NOTE_KEY]
+    assert sorted(written.column("source").to_pylist()) == [f"s{i}" for i in range(8)]
+    assert _texts(out) == {i: reference[qid] for i, qid in enumerate(IDS)}
+
+
+def test_parquet_output_resumes_and_holds_logprobs_and_samples(llm, reference, tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    lines = [json.dumps({"id": i, "prompt": q}) for i, q in zip(IDS, QUESTIONS)]
+    rows.write_text("\n".join(lines[:3]) + "\n")
+    out = tmp_path / "out.parquet"
+    assert _job(llm, rows, out)["completed"] == 3
+    rows.write_text("\n".join(lines) + "\n" + json.dumps({"id": "x", "prompt": "a string id",
+                                                          "sampling": {"n": 2, "logprobs": 2}}) + "\n")
+    metrics = _job(llm, rows, out)
+    assert (metrics["already_done"], metrics["completed"], metrics["errors"]) == (3, 5, 1)  # "x": not an int id
+    assert _texts(out) == reference and not part_files(out)
+    errors = [json.loads(line) for line in out.with_name("out.parquet.errors.jsonl").read_text().splitlines()]
+    assert "id column holds integers" in errors[0]["error"]
+
+    rows.write_text(json.dumps({"id": "x", "prompt": "a string id", "sampling": {"n": 2, "logprobs": 2}}) + "\n")
+    _job(llm, rows, tmp_path / "samples.parquet")
+    (row,) = pq.read_table(tmp_path / "samples.parquet").to_pylist()
+    assert row["id"] == "x" and row["text"] is None and [c["index"] for c in row["choices"]] == [0, 1]
+    entry = row["choices"][0]["logprobs"][0]
+    assert set(entry) == {"token_id", "logprob", "top"} and len(entry["top"]) == 2
+
+
+# ---- bad inputs --------------------------------------------------------------------------------------------------
+def _columns(**names: object) -> JobColumnsSection:
+    return JobColumnsSection(**names)
+
+
+def test_bad_tables_say_what_is_wrong(tmp_path):
+    pq.write_table(_table(), tmp_path / "in.parquet")
+    present = "['qid', 'question', 'source', 'score']"
+    cases = [
+        (_columns(prompt="prompt_text"), "job.columns.prompt='prompt_text' is not a column"),
+        (_columns(id="uid", prompt="question"), "job.columns.id='uid' is not a column"),
+        (_columns(prompt="question", keep=["nope"]), "job.columns.keep='nope' is not a column"),
+        (_columns(), "has no prompt column: name it with job.columns.prompt=<column>"),
+        (_columns(prompt="question", messages="source"), "has both a 'question' and a 'source' column"),
+        (_columns(prompt="question", keep=["text"]), None),
+    ]
+    for columns, message in cases:
+        with pytest.raises(InputError) as raised:
+            TableInput(tmp_path / "in.parquet", "parquet", columns)
+        if message is None:  # a kept column may not shadow a result column
+            pq.write_table(_table().append_column("text", pa.array(["t"] * 8)), tmp_path / "in.parquet")
+            with pytest.raises(InputError, match="'text' is also a result column"):
+                TableInput(tmp_path / "in.parquet", "parquet", columns)
+            continue
+        assert message in str(raised.value), str(raised.value)
+        if "is not a column" in message or "no prompt column" in message:
+            assert present in str(raised.value)
+    (tmp_path / "dd").mkdir()
+    (tmp_path / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
+    with pytest.raises(InputError, match=r"DatasetDict with splits \['train', 'test'\]: point job.input at one"):
+        table_kind(tmp_path / "dd")
+
+
+def test_a_bad_table_fails_at_start_with_one_line(text_model, llm, tmp_path):
+    fake = tmp_path / "in.parquet"
+    fake.write_text('{"id": 1, "prompt": "I am JSON"}\n')
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_text(json.dumps({"id": 1, "prompt": "x"}) + "\n")
+    pq.write_table(_table(), tmp_path / "good.parquet")
+    cases = [
+        ([f"job.input={fake}"], f"job.input={fake} is not a readable Parquet file: Parquet magic bytes not found"),
+        ([f"job.input={tmp_path / 'good.parquet'}", "job.columns.prompt=q"],
+         "job.columns.prompt='q' is not a column of"),
+    ]
+    for extra, message in cases:
+        proc = subprocess.run([sys.executable, "launch.py", f"model.path={text_model}", "engine.device=cpu",
+                               f"job.output={tmp_path / 'out.jsonl'}", *extra], cwd=REPO, env=_env(),
+                              capture_output=True, text=True, timeout=300)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+        assert proc.returncode != 0 and len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
+    base = llm.cfg.job
+    for keys, message in [({"input": str(jsonl), "columns": _columns(keep=["a"])},
+                           "job.columns.keep=['a'] applies to table inputs"),
+                          ({"input": str(tmp_path / "good.parquet"), "format": "openai"},
+                           "job.format=openai applies to JSONL inputs")]:
+        llm.cfg.job = replace(base, output=str(tmp_path / "out.jsonl"), **keys)
+        try:
+            with pytest.raises(InputError, match=message.replace("[", r"\[").replace("]", r"\]")):
+                run_job(llm, "cfg")
+        finally:
+            llm.cfg.job = base
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+# ---- streaming ---------------------------------------------------------------------------------------------------
+def test_rows_are_read_a_window_at_a_time(tmp_path):
+    pulled = 0
+
+    def rows():
+        nonlocal pulled
+        for i in range(100_000):
+            pulled += 1
+            yield JobRow(i, i, prompt="x", sampling=llm_defaults())
+
+    todo = Todo(rows(), done={json.dumps(1)}, window=1000)
+    todo.fill(0)
+    assert 2000 <= pulled <= 3000 and todo.total > 100_000  # two windows planned; the end is not known yet
+    assert [r.id for r in todo.rows(range(0, 3))] == [0, 2, 3]  # id 1 is done
+    assert [r.id for r in todo.rows(range(5000, 5002))] == [5001, 5002]
+    assert pulled <= 7000 and len(todo._planned) <= 3  # windows before the claims are let go
+    assert todo.rows(range(99_990, 200_000))[-1].id == 99_999 and todo.exhausted and todo.total == 99_999
+    assert todo.rows(range(99_999, 100_005)) == [] and (todo.read, todo.already_done) == (100_000, 1)
+
+
+def llm_defaults():
+    from runtime.sampling_params import SamplingParams
+
+    return SamplingParams()
+
+
+def test_a_large_parquet_table_streams(tmp_path):
+    path = tmp_path / "big.parquet"
+    pq.write_table(pa.table({"id": range(200_000), "prompt": [f"question {i}" for i in range(200_000)]}), path,
+                   row_group_size=20_000)
+    table = TableInput(path, "parquet", _columns())
+    batches = table.batches()
+    first = next(batches)
+    assert first.num_rows <= 4096 and first.schema.names == ["id", "prompt"]
+    rows = table.rows(llm_defaults(), chat_template=False)
+    assert next(rows).prompt == "question 0"
+
+
+# ---- Parquet output parts ----------------------------------------------------------------------------------------
+def _record(i: int) -> dict:
+    return {"id": i, "text": f"t{i}", "finish_reason": "length", "completion_tokens": 1, "prompt_tokens": 2}
+
+
+def test_parquet_parts_are_flushed_whole_and_merged_once(tmp_path):
+    out = tmp_path / "out.parquet"
+    schema = parquet_output.result_schema("int", [])
+    sink = parquet_output.ParquetSink(out, 1, schema, row_group_rows=4, flush_every_s=3600)
+    for i in range(10):
+        sink.write(_record(i))
+    assert len(part_files(out)) == 2 and parquet_output.done_keys(out) == {json.dumps(i) for i in range(8)}
+    # killed here: rows 8 and 9 were buffered (the open row group) and are lost
+    (tmp_path / f".{out.name}.part-1-9-000009.tmp").write_bytes(b"PAR1 torn")  # a flush killed before its rename
+    assert parquet_output.merge_parts(out, row_group_rows=3) == 8
+    assert pq.read_table(out).column("id").to_pylist() == list(range(8)) and not part_files(out)
+    assert pq.ParquetFile(out).metadata.num_row_groups == 3 and not list(tmp_path.glob(".*"))
+
+    again = parquet_output.ParquetSink(out, 0, schema, row_group_rows=100, flush_every_s=0)  # every write flushes
+    for i in (6, 7, 8):  # 6 and 7 as after a merge killed between its rename and its deletes
+        again.write(_record(i))
+    again.close()
+    (tmp_path / "out.parquet.part-2-1-000000").write_bytes(b"not parquet")
+    assert parquet_output.done_keys(out) == {json.dumps(i) for i in range(9)}  # the damaged part is set aside
+    assert parquet_output.merge_parts(out, row_group_rows=100) == 1
+    assert pq.read_table(out).column("id").to_pylist() == list(range(9))
+    assert (tmp_path / ".out.parquet.part-2-1-000000.unreadable").exists()
+    assert parquet_output.merge_parts(out, row_group_rows=100) == 0  # nothing left to merge
+
+
+# ---- kill -9 and rerun -------------------------------------------------------------------------------------------
+def _parquet_rows(out: Path) -> int:
+    count = 0
+    for f in [out, *part_files(out)]:
+        try:
+            count += pq.ParquetFile(f).metadata.num_rows
+        except (OSError, pa.ArrowException):  # merged away meanwhile
+            pass
+    return count
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2], ids=["dp1", "dp2"])
+def test_kill_9_with_a_parquet_output_then_rerun_gives_one_row_per_id(text_model, tmp_path, nproc):
+    rows = tmp_path / "rows.parquet"
+    count = 36
+    pq.write_table(pa.table({"id": [f"q{i}" for i in range(count)],
+                             "prompt": [f"Row {i}: say something about {i * 7}." for i in range(count)]}), rows)
+    launch = [f"--nproc-per-node={nproc}"] if nproc > 1 else []
+    common = [f"model.path={text_model}", "engine.device=cpu", "model.max_seq_len=128", f"job.input={rows}",
+              "job.progress=false", "job.chat_template=false", "sampling.temperature=0", "sampling.ignore_eos=true",
+              "sampling.max_new_tokens=24", "scheduler.max_running_requests=2", "job.row_group_rows=3",
+              "job.fsync_every_s=0.2"]
+    reference = tmp_path / "reference.parquet"
+    done = subprocess.run([sys.executable, "launch.py", *common, f"job.output={reference}"], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path / "out.parquet"
+    proc = subprocess.Popen([sys.executable, "launch.py", *launch, *common, f"job.output={out}"], cwd=REPO, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 300
+        while _parquet_rows(out) < 8:
+            assert proc.poll() is None and time.time() < deadline, "the job ended before it could be killed"
+            time.sleep(0.05)
+    finally:
+        kill_job(proc)
+    assert 8 <= _parquet_rows(out) < count and part_files(out) and not out.exists()
+    assert (tmp_path / "out.parquet.lock").exists()  # left by the killed run; it must not block the rerun
+    rerun = subprocess.run([sys.executable, "launch.py", *common, f"job.output={out}"], cwd=REPO, env=_env(),
+                           capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert _texts(out) == _texts(reference)  # exactly one row per id (checked in _texts), the same texts
+    assert len(_texts(out)) == count and not part_files(out)
+    metrics = json.loads((tmp_path / "out.parquet.metrics.json").read_text())
+    assert metrics["already_done"] >= 8 and metrics["already_done"] + metrics["completed"] == count
