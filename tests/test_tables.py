@@ -357,3 +357,11 @@ def test_kill_9_with_a_parquet_output_then_rerun_gives_one_row_per_id(text_model
     assert len(_texts(out)) == count and not part_files(out)
     metrics = json.loads((tmp_path / "out.parquet.metrics.json").read_text())
     assert metrics["already_done"] >= 8 and metrics["already_done"] + metrics["completed"] == count
+
+
+def test_jsonl_jobs_need_no_pyarrow_import_and_every_table_suffix_is_known():
+    """JSONL inputs are recognised without importing the table module (and pyarrow): its suffixes must match."""
+    from runtime.frontend.job_inputs import TABLE_SUFFIXES
+    from runtime.frontend.tables import SUFFIXES
+
+    assert set(TABLE_SUFFIXES) == set(SUFFIXES)

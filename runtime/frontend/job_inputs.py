@@ -29,11 +29,16 @@ class JobInput:
         return self.format not in ("native", "openai")
 
 
+TABLE_SUFFIXES = (".parquet", ".pq", ".csv", ".tsv", ".arrow", ".feather", ".ipc")  # tables.SUFFIXES' keys
+
+
 def open_input(path: Path, job: Any, defaults: SamplingParams) -> JobInput:
     """Open and check ``job.input`` (its kind, its columns); rows are read later, a batch at a time."""
-    from runtime.frontend.tables import table_kind
+    kind = None
+    if path.is_dir() or path.suffix.lower() in TABLE_SUFFIXES:  # JSONL jobs never import pyarrow
+        from runtime.frontend.tables import table_kind
 
-    kind = table_kind(path)
+        kind = table_kind(path)
     if kind is None:
         if job.columns.keep:
             raise InputError(f"job.columns.keep={list(job.columns.keep)} applies to table inputs (Parquet, CSV, "
