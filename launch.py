@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from runtime.config import ConfigError, RuntimeConfig, load_config, to_yaml
 from runtime.frontend import sweep
+from runtime.frontend.signals import exit_now
 
 if TYPE_CHECKING:
     from runtime.frontend.llm import LLM
@@ -223,13 +224,6 @@ def start_ranks(args: argparse.Namespace) -> int:
         return 2
     script_args = [f"--config={c}" for c in args.config or []] + args.overrides
     return run_torchrun(args.nproc_per_node, str(Path(__file__).resolve()), script_args)
-
-
-def exit_now(code: int) -> None:
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ ranks ignore the signals: they follow their leader until it tells them to stop.
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,3 +62,11 @@ def ignore_drain_signals() -> None:
 def restore_default_signals() -> None:
     for sig in DRAIN_SIGNALS:
         signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+
+
+def exit_now(code: int) -> None:
+    """Leave at once with ``code`` (logs and streams flushed), skipping teardown that could hang on peers."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

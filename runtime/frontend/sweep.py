@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runtime.config import ConfigError, RuntimeConfig, to_yaml
+from runtime.frontend.signals import EXIT_PREEMPTED, exit_now
 from runtime.frontend.sweep_plan import (
     DONE,
     FAILED,
@@ -57,7 +58,6 @@ if TYPE_CHECKING:
     from runtime.frontend.signals import Drain
 
 SWEEP_FLAGS = ("--sweep", "--sweep-file", "--collect")
-EXIT_PREEMPTED = 143  # as runtime.frontend.signals: "interrupted, resumable"
 log = logging.getLogger("tpinfer.sweep")
 
 
@@ -203,11 +203,11 @@ def execute(sweep: Sweep, runs: list[Run], only: int | None = None) -> int:
         code = _Sweeper(sweep, runs, stats, env.rank, env.world_size).run(only)
     except KeyboardInterrupt:
         print(f"rank {env.rank}: interrupted (a second Ctrl-C); finished rows are on disk", file=sys.stderr, flush=True)
-        _exit_now(130)
+        exit_now(130)
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as exc:
         print(f"error on rank {env.rank}: {exc}", file=sys.stderr, flush=True)
         if env.world_size > 1:  # peers may be stuck in a collective: leave, torchrun ends the others
-            _exit_now(1)
+            exit_now(1)
         return 1
     shutdown_distributed()
     return code
@@ -441,16 +441,5 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def _exit_now(code: int) -> None:
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
-    import gc
-
-    gc.unfreeze()  # as launch.py: LLM froze what the model load left alive; collected before exit, quietly
-    sys.exit(code)
+    sys.exit(main(sys.argv[1:]))
