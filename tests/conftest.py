@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,16 @@ def make_tiny_llama(path: Path, *, vocab: int = 512, heads: int = 8, kv_heads: i
     model = perturb_norms_and_biases(LlamaForCausalLM(cfg).to(torch.float32))
     model.save_pretrained(path, safe_serialization=True)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": vocab - 1}))
+    return path
+
+
+def make_tiny_text_llama(path: Path, default_model_dir: Path, seed: int) -> Path:
+    """A tiny random Llama (4 heads: TP=2 divides them) with the default model's tokenizer and chat template,
+    so rows are text and chats."""
+    make_tiny_llama(path, vocab=49152, heads=4, kv_heads=2, layers=2, seed=seed)
+    for f in default_model_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+            shutil.copy(f, path / f.name)
     return path
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from runtime import LLM, SamplingParams
-from tests.conftest import make_tiny_llama
+from tests.conftest import make_tiny_llama, make_tiny_text_llama
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = ["engine.device=cpu", "model.dtype=float32", "model.max_seq_len=512", "engine.deterministic=true"]
@@ -95,11 +94,7 @@ def test_chunked_prefill_and_a_cached_prefix_give_the_same_tokens(model_dir: Pat
 # ---------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def text_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
-    path = make_tiny_llama(tmp_path_factory.mktemp("det_text_model"), vocab=49152, heads=4, kv_heads=2, layers=2,
-                           seed=6)
-    for f in default_model_dir.iterdir():
-        if f.name.startswith("tokenizer"):
-            shutil.copy(f, path / f.name)
+    path = make_tiny_text_llama(tmp_path_factory.mktemp("det_text_model"), default_model_dir, seed=6)
     return path
 
 

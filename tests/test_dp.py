@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import pytest
 
 from parallel.distributed import TorchrunEnv, layout
 from runtime.frontend.job_files import merge_parts, part_path
-from tests.conftest import make_tiny_llama
+from tests.conftest import make_tiny_text_llama
 from tests.helpers import rows_written, wait_for_rows
 from tests.tp_utils import child_with_rank
 
@@ -31,10 +30,7 @@ def _env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
     """A tiny random Llama (4 heads: TP=2 divides them) with the default model's tokenizer, so rows are text."""
-    path = make_tiny_llama(tmp_path_factory.mktemp("dp_model"), vocab=49152, heads=4, kv_heads=2, layers=2, seed=3)
-    for f in default_model_dir.iterdir():
-        if f.name.startswith("tokenizer"):
-            shutil.copy(f, path / f.name)
+    path = make_tiny_text_llama(tmp_path_factory.mktemp("dp_model"), default_model_dir, seed=3)
     return path
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from parallel.launcher import EXIT_DRAINED, exit_code_of
-from tests.conftest import make_tiny_llama
+from tests.conftest import make_tiny_text_llama
 from tests.helpers import wait_for_rows
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,10 +42,7 @@ def _env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("launcher")
-    model = make_tiny_llama(root / "model", vocab=49152, heads=4, kv_heads=2, layers=2, seed=5)
-    for f in default_model_dir.iterdir():
-        if f.name.startswith("tokenizer"):
-            shutil.copy(f, model / f.name)
+    model = make_tiny_text_llama(root / "model", default_model_dir, seed=5)
     rows = root / "rows.jsonl"
     rows.write_text("".join(json.dumps({
         "id": i, "prompt": f"Row {i}: a few words about {i * 3}.",

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from runtime.frontend import openai_batch
 from runtime.frontend.job import run_job
 from runtime.frontend.job_files import InputError, read_rows
 from runtime.sampling_params import SamplingParams
-from tests.conftest import make_tiny_llama
+from tests.conftest import make_tiny_text_llama
 from tests.test_output_lock import kill_job
 
 REPO = Path(__file__).resolve().parents[1]
@@ -192,10 +191,7 @@ def _validate(body: dict) -> None:
 @pytest.fixture(scope="module")
 def text_model(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
     """A tiny random Llama with the default model's tokenizer and chat template, so rows are text and chats."""
-    path = make_tiny_llama(tmp_path_factory.mktemp("openai_model"), vocab=49152, heads=4, kv_heads=2, layers=2, seed=3)
-    for f in default_model_dir.iterdir():
-        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
-            shutil.copy(f, path / f.name)
+    path = make_tiny_text_llama(tmp_path_factory.mktemp("openai_model"), default_model_dir, seed=3)
     return path
 
 

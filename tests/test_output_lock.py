@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -19,7 +18,7 @@ import pytest
 from runtime import LLM
 from runtime.frontend.job import run_job
 from runtime.frontend.output_lock import OutputLock, OutputLocked, lock_path
-from tests.conftest import make_tiny_llama
+from tests.conftest import make_tiny_text_llama
 
 REPO = Path(__file__).resolve().parents[1]
 HOLD = """
@@ -158,10 +157,7 @@ def test_a_job_on_a_held_output_stops_before_writing(llm, tmp_path, kind):
 # ---- two real runs at once ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def text_model(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
-    path = make_tiny_llama(tmp_path_factory.mktemp("lock_model"), vocab=49152, heads=4, kv_heads=2, layers=2, seed=3)
-    for f in default_model_dir.iterdir():
-        if f.name.startswith("tokenizer"):
-            shutil.copy(f, path / f.name)
+    path = make_tiny_text_llama(tmp_path_factory.mktemp("lock_model"), default_model_dir, seed=3)
     return path
 
 

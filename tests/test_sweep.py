@@ -23,7 +23,7 @@ from runtime.frontend import sweep
 from runtime.frontend.job_files import JsonlAppender
 from runtime.frontend.sweep_plan import PlotSpec, Sweep, load_sweep_file, plan_runs, shorthand_sweep, split_top_level
 from runtime.frontend.sweep_results import write_plot
-from tests.conftest import make_tiny_llama
+from tests.conftest import make_tiny_text_llama
 from tests.test_slurm_live import slurm, tiny_model  # noqa: F401 - fixtures (a local Slurm cluster, its model)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,10 +34,7 @@ HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
     """4 heads (TP=2 divides them) and the default model's tokenizer, so rows are text."""
-    path = make_tiny_llama(tmp_path_factory.mktemp("sweep_model"), vocab=49152, heads=4, kv_heads=2, layers=2, seed=5)
-    for f in default_model_dir.iterdir():
-        if f.name.startswith("tokenizer"):
-            shutil.copy(f, path / f.name)
+    path = make_tiny_text_llama(tmp_path_factory.mktemp("sweep_model"), default_model_dir, seed=5)
     return path
 
 
