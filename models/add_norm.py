@@ -1,15 +1,4 @@
-"""Residual add + RMSNorm in one Triton kernel (GPU), HF's numerics.
-
-flashinfer's fused add + RMSNorm runs twice a layer and is latency-bound at a decode step's few rows:
-1.77 us a call at SmolLM2's 256 x 576 inside a CUDA graph, against 1.15 here (benchmarks/HISTORY.md). Here
-one program takes one or four whole rows (the hidden size padded to a
-power of two), and on Hopper it launches with programmatic dependent launch like ``models/gemv.py``: it
-waits for its predecessor (``gdc_wait``) before touching memory, so its launch overlaps the previous
-kernel's tail.
-
-Numerics are the torch path's (``models/ops.py``): the sum rounded to the model dtype is the new
-residual, its float32 RMS normalises it, the normed row is rounded, then multiplied by the weight.
-"""
+"""Residual add + RMSNorm in one Triton kernel with the torch path's numerics; flashinfer's is latency-bound."""
 
 from __future__ import annotations
 
@@ -52,16 +41,13 @@ if triton is not None:
         tl.store(x_at, (normed.to(dtype).to(tl.float32) * w.to(tl.float32)[None, :]).to(dtype), mask=ok)
 
 
-# The engine takes this kernel over flashinfer's wherever Triton runs on the GPU (``gemv.supported``);
-# patchable, so that benchmarks compare the two.
+# Patchable so that benchmarks can compare this kernel with flashinfer's.
 PREFERRED = True
 
 
 @functools.cache
 def launch_shape(rows: int, hidden: int) -> tuple[int, int, int]:
-    """(rows a program, padded columns, warps): one row a program up to 1,024 rows (decode steps: every
-    program resident at once), four above (prefill: fewer, fuller programs); a warp per 256 padded columns,
-    1-8. Cached: eager steps call it every layer."""
+    """(rows a program, padded columns, warps); cached because eager steps call it every layer."""
     block = triton.next_power_of_2(hidden)
     return (1 if rows <= 1024 else 4), block, min(8, max(1, block // 256))
 
@@ -69,8 +55,7 @@ def launch_shape(rows: int, hidden: int) -> tuple[int, int, int]:
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """In place, as flashinfer's: ``residual <- x + residual``, ``x <- rmsnorm(residual) * weight``.
-    ``x`` and ``residual``: ``[rows, hidden]`` with dense rows. Returns ``(x, residual)``."""
+    """In place, as flashinfer's: ``residual <- x + residual``, ``x <- rmsnorm(residual) * weight``."""
     rows, hidden = x.shape
     per_program, block, warps = launch_shape(rows, hidden)
     pdl = use_pdl(x.device.index or 0)

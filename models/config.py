@@ -1,9 +1,4 @@
-"""The model architecture, read from an HF-format ``config.json``.
-
-Parsed by hand rather than through ``transformers.AutoConfig`` so that a
-checkpoint's fields are checked explicitly and an unsupported model fails at
-start with a message naming the field.
-"""
+"""The model architecture, parsed by hand from ``config.json`` so an unsupported model fails at start naming the field."""
 
 from __future__ import annotations
 
@@ -12,12 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# The model registry: what each supported architecture adds to the shared Llama-style decoder.
 FAMILIES: dict[str, dict[str, bool]] = {
     "LlamaForCausalLM": {},
     "MistralForCausalLM": {},
-    "Qwen2ForCausalLM": {"qkv_bias": True},  # bias on q/k/v, none on o_proj
-    "Qwen3ForCausalLM": {"qk_norm": True},  # per-head RMSNorm on q and k before RoPE
+    "Qwen2ForCausalLM": {"qkv_bias": True},
+    "Qwen3ForCausalLM": {"qk_norm": True},
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 # Older config.json files name only the model_type; anything unknown must not load as Llama.
@@ -39,7 +33,7 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool  # bias on q, k, v and o (Llama's attention_bias)
+    attention_bias: bool
     mlp_bias: bool
     torch_dtype: str
     architecture: str = "LlamaForCausalLM"
@@ -60,8 +54,7 @@ class ModelConfig:
         window = cfg.get("sliding_window")
         if window not in (None, 0) and cfg.get("use_sliding_window", True) and \
                 window < int(cfg.get("max_position_embeddings", 4096)):
-            # Dense Mistral v0.2+ sets it to null, Qwen sets use_sliding_window=false; a window no shorter
-            # than the context changes nothing. A real window needs masking we lack.
+            # A window no shorter than the context changes nothing; a real one needs masking we lack.
             raise ValueError(f"sliding_window={window} is not supported (dense attention only)")
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])

@@ -1,8 +1,4 @@
-"""The global forward context: what ``model.forward()`` reads instead of taking arguments.
-
-It lives with the models (the lowest layer that reads it) so that models never import the
-runtime; the engine fills it. A fixed ``forward()`` signature is what CUDA-graph capture needs.
-"""
+"""The global forward context that ``model.forward()`` reads: CUDA-graph capture needs a fixed signature."""
 
 from __future__ import annotations
 
@@ -15,15 +11,13 @@ import torch
 
 
 class Attention(Protocol):
-    """What a decoder layer needs from the attention backend."""
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor: ...
 
 
 @dataclass
 class ForwardContext:
     attn_backend: Attention
-    batch: Any = None  # the step's batch (input_ids, positions, out_loc, logits_indices), set per step
+    batch: Any = None
 
     @contextmanager
     def forward_batch(self, batch: Any) -> Iterator[None]:

@@ -1,23 +1,5 @@
-"""Fused matrix-vector kernels for single-token steps (Triton, GPU, TP=1).
-
-At one row a decoder layer is bound by reading its weights; unfused, cuBLAS's GEMVs read the 1B
-shape's at ~2.5 TB/s and two fused add + RMSNorms and a SiLU x mul run between them. Here a layer is
-four weight passes and nothing else but attention (1B: 35.4 against 49.3 us a layer, 3.4 TB/s; 8B: 105
-against 124 us, 4.2 TB/s; benchmarks/README.md):
-
-- ``norm_linear``: ``rmsnorm(h) @ W.T (+ b)``: each program recomputes the row's RMS as it streams
-  ``h`` (a few KB), so the norm needs no kernel and no output of its own;
-- ``norm_linear_silu``: the same over the stacked ``[gate; up]`` weight, each program taking matching
-  gate and up rows, and writing ``silu(gate) * up``;
-- ``linear_add_``: ``h += x @ W.T (+ b)``: the residual add in the GEMV's epilogue.
-
-Every program accumulates in float32 over the whole reduction and rounds once (HF rounds the normed
-input, the GEMV output and the residual sum to the model dtype in turn: the error is of the same
-order, smaller if anything). On Hopper the kernels launch with programmatic dependent launch: each
-waits for its predecessor before touching memory (``gdc_wait``) and lets its successor be scheduled
-at once, so a kernel's launch and ramp overlap the previous kernel's tail. They pay inside CUDA
-graphs only: launched eagerly, Triton's per-launch host work costs more than they save.
-"""
+"""Fused GEMVs for single-token steps (TP=1): at one row a layer is bound by reading its weights, so the norms,
+SiLU x mul and residual add are folded in. Programmatic dependent launch pays only inside CUDA graphs."""
 
 from __future__ import annotations
 
@@ -40,16 +22,12 @@ if triton is not None:
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         NORM: tl.constexpr, SILU: tl.constexpr, ADD: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
     ):
-        """``out[n] (+)= act(sum_k W[n, k] * x'[k] + b[n])`` for one row ``x``; ``x'`` is x, or
-        rmsnorm(x) * norm weight when NORM. With SILU the weight has 2N rows (gate, then up) and the
-        program combines rows n and N + n into ``silu(gate) * up``. Products accumulate elementwise over
-        K and are reduced once at the end."""
+        """``out[n] (+)= act(sum_k W[n, k] * x'[k] + b[n])``; with SILU the weight is gate rows, then up rows."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
         kk = tl.arange(0, BLOCK_K)
         w_rows = w_ptr + n[:, None].to(tl.int64) * K
-        # The weights are no kernel's output: the first block is read before gdc_wait, overlapping the
-        # previous kernel's tail (without it the dependent launch gained nothing at the 1B shape).
+        # Weights are no kernel's output: read the first block before gdc_wait, overlapping the previous kernel.
         w_ok = n_ok[:, None] & (kk < K)[None, :]
         w = tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0, eviction_policy="evict_first")
         if SILU:
@@ -98,7 +76,6 @@ if triton is not None:
 
 
 def supported(device: torch.device) -> bool:
-    """Whether the fused kernels can run on ``device`` (Triton present, a CUDA device)."""
     return triton is not None and device.type == "cuda"
 
 
@@ -110,12 +87,7 @@ def use_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-# Swept shapes whose best tiles beat the rule below in the engine, (n, k, silu) -> (BLOCK_N, BLOCK_K,
-# num_warps, num_stages). scripts/bench_gemv.py --sweep times the whole layer stack with one kernel's tile
-# changed at a time (benchmarks/gemv-tiles.json). Llama-3.1-8B: the stack 104.7 against 118.8 us a layer
-# with the rule, the batch-1 step 4.02 against 4.52 ms. The 1B shape's bests (34.3 against 35.2 us in the
-# stack) lost in the engine (steady step 0.881 against 0.845 ms, qkv's tile alone 0.871) and SmolLM2's
-# did not combine (8.39 against 8.25 us): both keep the rule.
+# Swept shapes whose best tile beats ``tile``'s rule in the engine (scripts/bench_gemv.py --sweep).
 TUNED_TILES: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
     (6144, 4096, False): (16, 512, 8, 4), (4096, 4096, False): (8, 2048, 8, 2),  # qkv, o
     (14336, 4096, True): (1, 1024, 2, 3), (4096, 14336, False): (4, 1024, 2, 4),  # gate_up, down
@@ -123,13 +95,7 @@ TUNED_TILES: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
 
 
 def tile(n: int, k: int, silu: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an ``[n, k]`` weight (``[2n, k]`` with ``silu``).
-
-    A swept shape's best tile, else a rule from the same sweeps: a gate and an up row per program in
-    512-wide blocks over 4 warps, 3 in flight; reductions up to 2048 long in one block, so that the whole
-    tile is read before ``gdc_wait``, during the previous kernel's tail; longer ones in 1024-wide blocks, 6
-    in flight, which keeps enough bytes in flight per SM to read at ~4 TB/s.
-    """
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages); short reductions fit one block, read before ``gdc_wait``."""
     tuned = TUNED_TILES.get((n, k, silu))
     if tuned:
         return tuned

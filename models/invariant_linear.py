@@ -1,15 +1,5 @@
-"""Batch-invariant linear layers: each output row is the same bits whatever rows share the call.
-
-cuBLAS picks its kernel (tile, split-K, stream-K) by the shape, M included, and a kernel that splits K sums
-it in another order: a row's output then depends on how many rows came with it. The Triton GEMM here sums
-every output element in one float32 accumulation over K in a fixed order (``BLOCK_K`` slices, each a chain
-of 16-wide tensor-core steps), never splitting K, whatever M is; the tile shape picked by M only decides
-which program computes an element, not how. Where cuBLAS is measured to give exactly these bits for a
-shape (it does when it does not split K), ``BatchInvariantLinear`` calls cuBLAS, which is faster.
-
-On CPU, BLAS takes another path for a few rows (a GEMV) than for many: ``cpu_linear`` always multiplies
-blocks of the same row count.
-"""
+"""Batch-invariant linear layers: each output row is the same bits whatever rows share the call. cuBLAS picks
+split-K by shape, changing the summation order; the Triton GEMM here never splits K."""
 
 from __future__ import annotations
 
@@ -19,7 +9,7 @@ import torch.nn.functional as F
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU-only installs: F.linear (runtime.engine picks this kernel on GPUs only)
+except ImportError:  # CPU-only installs use cpu_linear
     triton = None
 
 if triton is not None:
@@ -59,10 +49,9 @@ if triton is not None:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok & (cols[None, :] < N))
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by rows. Every config runs the same instruction (Hopper's
-# wgmma needs BLOCK_M >= 64) over the same K order, so a row gets the same bits from any of them.
+# Every config runs the same instruction over the same K order, so a row gets the same bits from any of them.
 SMALL = (64, 64, 128, 4, 4)  # decode: few rows, many programs over N to keep HBM busy
-LARGE = (128, 128, 64, 8, 4)  # prefill
+LARGE = (128, 128, 64, 8, 4)
 LARGE_FROM_ROWS = 512
 
 
@@ -72,8 +61,7 @@ def config_for(rows: int) -> tuple[int, int, int, int, int]:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for 2-D ``x`` (last dim dense), batch-invariant; ``config`` overrides the
-    tile choice (tests compare configs)."""
+    """Batch-invariant ``F.linear(x, weight, bias)`` for 2-D ``x``; ``config`` overrides the tile choice."""
     m, k = x.shape
     n = weight.shape[0]
     if x.stride(-1) != 1:
@@ -92,9 +80,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class BatchInvariantLinear:
-    """``F.linear`` with the Triton GEMM's bits for every row: each (rows, out, in, bias) shape is probed once,
-    outside graph capture, on random rows; cuBLAS serves the shapes where it gave the same bits, the Triton
-    GEMM the others (and shapes first met while a CUDA graph is being captured, where nothing may sync)."""
+    """``F.linear`` with the Triton GEMM's bits: each shape is probed once against cuBLAS, which serves it if the
+    bits match. Shapes first met during graph capture, where nothing may sync, take the Triton GEMM."""
 
     def __init__(self) -> None:
         self.cublas_ok: dict[tuple[int, int, int, bool], bool] = {}
@@ -122,8 +109,7 @@ CPU_BLOCK_ROWS = 32
 
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` over blocks of exactly CPU_BLOCK_ROWS rows (the last one zero-padded), so BLAS runs one
-    code path whatever the row count, and a row's bits do not depend on the rows around it."""
+    """``F.linear`` over zero-padded blocks of CPU_BLOCK_ROWS rows: BLAS switches paths by row count."""
     flat = x.reshape(-1, x.shape[-1])
     rows = flat.shape[0]
     padded = -(-rows // CPU_BLOCK_ROWS) * CPU_BLOCK_ROWS

@@ -1,10 +1,4 @@
-"""Tensor-parallel building blocks (ARCHITECTURE.md). At TP=1 each is a plain layer.
-
-Every parameter carries a ``weight_loader(param, source, shard_id)`` that copies
-this rank's slice out of a checkpoint tensor. ``source`` is anything sliceable
-with a ``get_shape()`` (a safetensors slice or ``FullTensor``), so a rank reads
-only the rows or columns it owns.
-"""
+"""Tensor-parallel layers whose ``weight_loader`` reads only this rank's slice of a checkpoint tensor."""
 
 from __future__ import annotations
 
@@ -18,7 +12,7 @@ from torch import nn
 from models.ops import TORCH_KERNELS, Kernels
 from parallel import all_gather_last_dim, all_reduce, get_tp, linear_all_reduce
 
-LinearFn = Callable[..., torch.Tensor]  # F.linear's signature: (x, weight, bias=None)
+LinearFn = Callable[..., torch.Tensor]
 
 
 class SliceSource(Protocol):
@@ -27,8 +21,6 @@ class SliceSource(Protocol):
 
 
 class FullTensor:
-    """Adapts an in-memory tensor to the ``SliceSource`` interface."""
-
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
 
@@ -151,11 +143,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Q, K and V projections fused and split by heads.
-
-    When there are fewer KV heads than ranks, each KV head is replicated on
-    ``tp / num_kv_heads`` consecutive ranks (needs tp to be a multiple of them).
-    """
+    """Fused Q, K and V split by heads; with fewer KV heads than ranks, KV heads are replicated."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
                  linear: LinearFn = F.linear) -> None:

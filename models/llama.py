@@ -1,10 +1,4 @@
-"""Llama-style decoder shared by every supported family (Llama 2/3/3.x, SmolLM2, dense Mistral, Qwen2/2.5,
-Qwen3); a family adds only what differs (models/config.py FAMILIES: q/k/v bias, per-head q/k norm).
-
-``forward()`` takes no arguments: the batch, the attention backend and the KV
-cache come from the global forward context, which keeps the call signature
-fixed for CUDA-graph capture.
-"""
+"""Llama-style decoder shared by every supported family (models/config.py FAMILIES)."""
 
 from __future__ import annotations
 
@@ -54,10 +48,9 @@ class LlamaAttention(nn.Module):
         # stores both in one kernel, and the attention kernels read q through its strides.
         q = qkv[:, : self.num_heads * d].view(-1, self.num_heads, d)
         kv = qkv[:, self.num_heads * d :].view(-1, 2, self.num_kv_heads, d)
-        if self.qk_norm:  # over each head's vector, before RoPE
+        if self.qk_norm:
             q = self.q_norm(q.reshape(-1, d))[0].view(-1, self.num_heads, d)
             kv[:, 0] = self.k_norm(kv[:, 0].reshape(-1, d))[0].view(-1, self.num_kv_heads, d)
-        # The backend rotates q and k (RoPE) as it writes the cache: one kernel on GPU.
         out = ctx.attn_backend.forward(q, kv, self.layer_id, cos_sin)
         return out.reshape(-1, self.num_heads * d)
 
@@ -91,8 +84,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
     def forward_fused(self, h: torch.Tensor, cos_sin: torch.Tensor) -> None:
-        """The same layer for one token in four fused GEMVs (models/gemv.py); ``h`` is the residual
-        stream, updated in place (TP=1: the row-parallel outputs need no all-reduce)."""
+        """The same layer for one token in four fused GEMVs; ``h`` is the residual stream, updated in place."""
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         qkv = gemv.norm_linear(h, norm1.weight, norm1.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)

@@ -1,12 +1,4 @@
-"""Elementwise kernels the model uses: a torch set and a flashinfer set, picked once per model.
-
-The torch versions mirror HF transformers' numerics (norms in float32, RoPE in
-the activation dtype) so that CPU float32 runs match HF to rounding. RoPE is applied by
-the attention backend as it writes the KV cache (``rope_torch`` here for the torch
-backend; one fused kernel in the flashinfer backend). The model
-receives its ``Kernels`` when it is built and keeps them: nothing on the hot path
-branches or looks them up globally.
-"""
+"""Elementwise kernels: a torch set, which mirrors HF's numerics so CPU runs match HF, and a flashinfer set."""
 
 from __future__ import annotations
 
@@ -77,7 +69,6 @@ def _rms_norm_fi(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 def _add_rms_norm_fi(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # In place: residual <- x + residual, x <- rmsnorm(x + residual).
     import_flashinfer().norm.fused_add_rmsnorm(x, residual, weight, eps)
     return x, residual
 
@@ -91,9 +82,8 @@ class Kernels:
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
-    # Every projection and the LM head: F.linear, or a batch-invariant GEMM (engine.deterministic).
+    # A batch-invariant GEMM under engine.deterministic.
     linear: Callable[..., torch.Tensor] = F.linear
-    # Single-token steps run each decoder layer as four fused GEMVs (models/gemv.py: Triton, TP=1).
     fused_gemv: bool = False
 
 

@@ -1,13 +1,5 @@
-"""All-reduce for small messages over CUDA IPC (PyTorch symmetric memory), without NCCL.
-
-Decode steps all-reduce a few KB to a few MB twice per layer; NCCL's ring/tree
-protocols pay a fixed latency that dominates at that size. Each rank owns one
-symmetric buffer that every peer maps over NVLink/PCIe P2P; an all-reduce
-copies the input into it and runs a one-shot kernel (every rank reads all
-peers' buffers and sums), which is capturable in CUDA graphs. Larger messages
-(prefill) keep NCCL. NVLink multicast (NVLS) is never used: it is switched off
-before the first symmetric allocation.
-"""
+"""All-reduce for small messages over PyTorch symmetric memory, capturable in CUDA graphs: at decode sizes NCCL's
+fixed latency dominates. NVLink multicast is switched off before the first symmetric allocation."""
 
 from __future__ import annotations
 
@@ -18,8 +10,7 @@ import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
-# Measured in CUDA graphs on two H200s (scripts/bench_all_reduce.py): one-shot is faster up to
-# 256 KB (8.7 us against 10.0 us at 128 KB), two-shot from 512 KB on (16.5 us against 20.5 at 2 MB).
+# Where two-shot overtakes one-shot (scripts/bench_all_reduce.py).
 TWO_SHOT_MIN_BYTES = 512 << 10
 
 
@@ -44,7 +35,6 @@ class SymmMemAllReduce:
         return dtype == self.dtype and numel <= self.max_numel
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` summed over the ranks, in place."""
         flat = x.view(-1)
         slot = self.buffer[: flat.numel()]
         slot.copy_(flat)
@@ -61,7 +51,6 @@ class SymmMemAllReduce:
         return out
 
     def _reduce(self, slot: torch.Tensor, out: torch.Tensor) -> None:
-        """Sum every rank's ``slot`` (a view of the symmetric buffer) into ``out``."""
         if slot.numel() * slot.element_size() >= TWO_SHOT_MIN_BYTES and slot.numel() % self.world == 0:
             torch.ops.symm_mem.two_shot_all_reduce_(slot, "sum", self.group_name)
             out.copy_(slot)
@@ -73,12 +62,8 @@ def make_custom_all_reduce(
     kind: str, group: dist.ProcessGroup | None, cpu_group: dist.ProcessGroup | None, world: int,
     device: torch.device, dtype: torch.dtype, max_bytes: int,
 ) -> SymmMemAllReduce | None:
-    """The custom all-reduce that ``parallel.all_reduce`` asks for, or None (NCCL only).
-
-    ``auto`` uses symmetric memory on CUDA at TP > 1 when this PyTorch build has it and
-    falls back to NCCL with a log line when it cannot be set up; ``symm_mem`` insists (and
-    also runs at world size 1 under torchrun, which lets one GPU test the whole path).
-    """
+    """The custom all-reduce ``parallel.all_reduce`` asks for, or None. ``symm_mem`` insists, even at world size 1
+    under torchrun, which lets one GPU test the whole path."""
     if kind == "symm_mem" and device.type != "cuda":
         raise ValueError("parallel.all_reduce=symm_mem needs CUDA devices")
     if kind == "nccl" or (kind == "auto" and world == 1) or device.type != "cuda" or group is None:

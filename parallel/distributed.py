@@ -1,7 +1,4 @@
-"""torchrun integration: read the environment, lay out DP x TP, create the process groups, agree on memory.
-
-``python launch.py`` without torchrun is world size 1 and creates no groups.
-"""
+"""torchrun integration: read the environment, lay out DP x TP, create the process groups, agree on memory."""
 
 from __future__ import annotations
 
@@ -23,7 +20,6 @@ class TorchrunEnv:
 
 
 def read_torchrun_env(environ: dict[str, str] | None = None) -> TorchrunEnv:
-    """RANK, WORLD_SIZE, LOCAL_RANK as torchrun sets them (MASTER_ADDR/PORT are read by env:// init)."""
     env = os.environ if environ is None else environ
     try:
         return TorchrunEnv(
@@ -35,11 +31,7 @@ def read_torchrun_env(environ: dict[str, str] | None = None) -> TorchrunEnv:
 
 
 def layout(env: TorchrunEnv, tp_size: int) -> TPInfo:
-    """This rank's place in DP x TP: ``tp_size`` 0 means the whole world is one TP group.
-
-    A replica is a contiguous block of ranks, so a TP group stays inside a node whenever
-    ``tp_size`` divides the GPUs per node (torchrun numbers ranks node by node).
-    """
+    """This rank's place in DP x TP; replicas are contiguous rank blocks, so a TP group stays inside a node."""
     tp = tp_size or env.world_size
     if tp < 0 or env.world_size % tp != 0:
         raise ValueError(
@@ -51,12 +43,11 @@ def layout(env: TorchrunEnv, tp_size: int) -> TPInfo:
 
 
 def init_distributed(use_cuda: bool, timeout_s: int, env: TorchrunEnv | None = None, tp_size: int = 0) -> TPInfo:
-    """Join the job: per replica an NCCL device group on CUDA (device = LOCAL_RANK), gloo otherwise, plus a gloo
-    CPU group."""
+    """Join the job: per replica a device group (NCCL on CUDA, else gloo) and a gloo CPU group."""
     env = env or read_torchrun_env()
     info = layout(env, tp_size)
     if env.world_size == 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
-        set_tp(info)  # plain `python launch.py`: no process groups at all
+        set_tp(info)
         return info
     if use_cuda:
         if env.local_rank >= torch.cuda.device_count():
@@ -92,7 +83,7 @@ def shutdown_distributed() -> None:
 
 
 def agree_on_memory(free_bytes: int) -> tuple[int, int]:
-    """(min, max) of a number over all ranks with ONE all_reduce(MIN) of [free, -free] on the CPU group."""
+    """(min, max) of a number over all ranks, in one all_reduce(MIN) of [free, -free]."""
     t = torch.tensor([free_bytes, -free_bytes], dtype=torch.int64)
     if get_tp().size > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=get_cpu_group())

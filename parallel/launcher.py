@@ -1,15 +1,4 @@
-"""Start a one-node torchrun job from our own entry point, so that its exit code and its last words are ours.
-
-``python launch.py --nproc-per-node N ...`` runs torchrun's launcher (``torch.distributed.run``) inside
-this process, with a private rendezvous (``--standalone``), and translates how it ends:
-
-- a signal to the launcher (SIGTERM from a scheduler, Ctrl-C): torchrun forwards it to the ranks, waits
-  for them (they drain: finished rows are on disk) and raises ``SignalException``; plain torchrun then
-  exits 1 with a traceback. Here: one line, exit 128 + the signal (143 for SIGTERM, "resumable").
-- ranks that failed: each printed its own one-line error before exiting; plain torchrun adds a
-  ``ChildFailedError`` traceback and exits 1. Here: one line naming the ranks and their codes; exit 143
-  when every failed rank drained (exit 143), else the first failed rank's code.
-"""
+"""Start a one-node torchrun job in-process, so that its exit code and its last words are ours, not a traceback."""
 
 from __future__ import annotations
 

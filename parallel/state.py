@@ -1,11 +1,4 @@
-"""Process-wide parallel state: this rank's place in its TP group and replica, and its two groups.
-
-The world is DP replicas x TP ranks, each replica a contiguous block of ranks.
-The device group (NCCL on CUDA, gloo on CPU) of a replica carries its activations;
-its CPU group (always gloo) carries control traffic: batch descriptors and memory
-agreement. Replicas never share a collective: they coordinate through the
-torchrun store (``get_store``), which has no timeout to outlive.
-"""
+"""Process-wide parallel state. Replicas share no collective, only the torchrun store, which has no timeout."""
 
 from __future__ import annotations
 
@@ -19,11 +12,11 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class TPInfo:
-    rank: int = 0  # within the TP group (0: the replica's leader, which runs its scheduler)
-    size: int = 1  # TP size
-    local_rank: int = 0  # the CUDA device index on this node
-    dp_rank: int = 0  # which replica
-    dp_size: int = 1  # how many replicas
+    rank: int = 0  # within the TP group; 0 runs the replica's scheduler
+    size: int = 1
+    local_rank: int = 0
+    dp_rank: int = 0
+    dp_size: int = 1
 
     @property
     def global_rank(self) -> int:
@@ -45,7 +38,6 @@ class CustomAllReduce(Protocol):
     def linear_all_reduce(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
 
 
-# A faster all-reduce for small messages (decode), set by the engine on CUDA; None: NCCL or gloo only.
 _custom_all_reduce: CustomAllReduce | None = None
 
 
@@ -65,10 +57,10 @@ def get_tp() -> TPInfo:
 
 
 def get_store() -> dist.Store | None:
-    """The torchrun rendezvous store (a key-value server every rank reaches), or None without groups."""
+    """The torchrun rendezvous store, or None without groups."""
     if not dist.is_initialized():
         return None
-    # Private accessor, stable across PyTorch 2.x; the default group's store is the rendezvous store.
+    # Private, but stable across PyTorch 2.x.
     return dist.distributed_c10d._get_default_store()
 
 

@@ -2,18 +2,9 @@
 
     python scripts/bench_attention.py [--batch 256] [--kv-min 200 --kv-max 2000] [--page-size 16]
         [--heads 32 --kv-heads 8 --head-dim 64] [--impls cuda,tc_fa2,tc_fa3,xqa] [--layouts NHD,HND]
-    python scripts/bench_attention.py --batch 1 --impls cuda+rope,tc_fa2+rope,triton,triton_s4 --layouts NHD
 
-Each implementation runs 10 decode-attention calls per graph replay over the same random paged
-cache (pages shuffled, lengths uniform in [kv-min, kv-max]); the line gives microseconds per call,
-the KV bytes read over that time, and the largest difference from the first implementation's
-output (the same numbers must come out of every kernel). ``xqa`` and the fa3 decode JIT-compile
-on first use (FLASHINFER_DISABLE_JIT unset).
-
-A ``+rope`` suffix runs our RoPE + KV-store kernel before the flashinfer call, as the engine does each layer;
-``triton`` (``triton_s<N>``: with N splits) is ``runtime/engine/attention/split_decode.py``, which rotates,
-stores and attends in its own kernels; only these are comparable with each other. So is ``paged``
-(``runtime/engine/attention/paged_decode.py``, the same three steps in one kernel).
+Outputs are checked against the first implementation's. Only ``+rope`` entries (with our RoPE + KV-store kernel)
+compare with ``triton`` and ``paged``, which include those steps.
 """
 
 from __future__ import annotations
@@ -40,14 +31,14 @@ def make_cache(a: argparse.Namespace, layout: str, dev: torch.device) -> dict:
     shape = (total + 1, a.page_size, a.kv_heads, a.head_dim)
     if layout == "HND":
         shape = (total + 1, a.kv_heads, a.page_size, a.head_dim)
-    kv = torch.randn((2, *shape), dtype=torch.bfloat16, device=dev)  # one buffer, as the engine's cache
+    kv = torch.randn((2, *shape), dtype=torch.bfloat16, device=dev)
     k, v = kv[0], kv[1]
     indices = (torch.randperm(total, device=dev) + 1).int()
     indptr = torch.cat((torch.zeros(1, dtype=torch.int32), pages_per.cumsum(0).int()))
     table = torch.zeros(a.batch, max_pages, dtype=torch.int32, device=dev)
     for b in range(a.batch):
         table[b, : pages_per[b]] = indices[indptr[b] : indptr[b + 1]]
-    positions = (lens - 1).long().to(dev)  # each request's new token: its K and V go to the last slot
+    positions = (lens - 1).long().to(dev)
     last_page = table[torch.arange(a.batch, device=dev), positions // a.page_size].long()
     qkv = torch.randn(a.batch, (a.heads + 2 * a.kv_heads) * a.head_dim, dtype=torch.bfloat16, device=dev)
     return dict(
@@ -70,7 +61,7 @@ def cos_sin_table(a: argparse.Namespace, c: dict) -> torch.Tensor:
 
 
 def with_rope(a: argparse.Namespace, c: dict, attend: Callable) -> Callable:
-    """The engine's unfused layer: RoPE on a copy of q/k and the KV write (one Triton kernel), then ``attend(q)``."""
+    """The engine's unfused layer: RoPE and the KV write, then ``attend(q)``."""
     from runtime.engine.attention.rope_store import rope_and_store
     from runtime.engine.kv_cache import KVCache
 
@@ -99,8 +90,7 @@ def triton_impl(a: argparse.Namespace, c: dict, splits: int | None) -> Callable:
 
 
 def paged_impl(a: argparse.Namespace, c: dict) -> Callable:
-    """runtime/engine/attention/paged_decode.py with the engine's chunk rule: RoPE, the KV write of each
-    request's last token and the attention (comparable with the ``+rope`` entries)."""
+    """paged_decode.py with the engine's chunk rule (comparable with the ``+rope`` entries)."""
     from runtime.engine.attention import paged_decode as pd
 
     dev = c["q"].device
@@ -163,7 +153,7 @@ def build(a: argparse.Namespace, impl: str, c: dict, layout: str) -> Callable:
         return triton_impl(a, c, int(impl[8:]) if impl.startswith("triton_s") else None)
     if impl == "cuda":
         return wrapper_impl(a, c, layout, False, "auto", rope=rope)
-    if impl.startswith("tc_"):  # tc_fa2, tc_fa3, tc_auto; "_nosplit": no split-KV; "_split<N>": splits of N pages
+    if impl.startswith("tc_"):
         name, _, split = impl[3:].removesuffix("_nosplit").partition("_split")
         return wrapper_impl(a, c, layout, True, name, impl.endswith("_nosplit"), rope=rope,
                             split_size=int(split) if split else None)

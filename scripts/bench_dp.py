@@ -1,13 +1,6 @@
-"""Data parallelism against tensor parallelism, as users run them: JSONL jobs through launch.py.
+"""Data parallelism against tensor parallelism: the same JSONL job through launch.py in each DPxTP layout.
 
     python scripts/bench_dp.py --config configs/bench/llama-3.2-1b.yaml --layouts 1x1,2x1,1x2 [key=value ...]
-
-Each layout DPxTP runs the same job (the bench config's variable workload as JSONL rows:
-random token-id prompts, ignore_eos, the bench temperature) with ``torchrun --nproc-per-node
-DP*TP launch.py parallel.tp_size=TP`` on the same random weights (a function of the full
-tensor, so every rank and every layout builds the same model). Throughput is the job's own
-metric: output tokens over the job's wall time after the model is loaded (the rows' work,
-the replicas' coordination and the merge of their outputs included).
 """
 
 from __future__ import annotations

@@ -2,14 +2,7 @@
 
     python scripts/bench_gemv.py [--shapes 1B,8B,SmolLM2] [--sweep]
 
-Unfused is what the engine ran before models/gemv.py: flashinfer's fused add + RMSNorm, cuBLAS for
-qkv, o, gate_up and down, flashinfer's SiLU x mul. Fused is models/gemv.py's four kernels, with
-programmatic dependent launch and without. A layer's attention is left out (its input is a fixed
-tensor), so the numbers are the weight passes and what sits between them. Each shape is stacked into
-enough layers that the weights pass 1 GB, so L2 (50 MB) never serves them; one graph replays the whole
-stack. Reported: microseconds per layer and the weight bytes over that time. ``--sweep`` times the
-stack with one fused kernel's tile changed at a time, over a grid of tiles (compiled first in
-``--workers`` processes), against ``models.gemv.tile``'s defaults.
+The stack is deep enough that L2 never serves the weights; ``--sweep`` varies one kernel's tile at a time.
 """
 
 from __future__ import annotations
@@ -34,7 +27,6 @@ SHAPES = {  # hidden, q + k + v features, intermediate
 
 
 def replay_us(fn: Callable[[], None], repeats: int = 20) -> float:
-    """Microseconds per call of ``fn`` (one whole stack) captured in a CUDA graph."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -50,7 +42,7 @@ def replay_us(fn: Callable[[], None], repeats: int = 20) -> float:
 
 
 def make_layers(hidden: int, qkv: int, inter: int, count: int = 0) -> list[dict[str, torch.Tensor]]:
-    """``count`` layers of random weights; by default enough that the stack passes 1 GB."""
+    """``count`` layers of random weights; by default enough that the stack outgrows L2."""
     dev, dt = torch.device("cuda"), torch.bfloat16
     per_layer = 2 * hidden * (qkv + hidden + 3 * inter)
     count = count or max(4, min(64, int(1e9 // per_layer) + 1))
@@ -99,8 +91,6 @@ def kernel_keys(hidden: int, qkv: int, inter: int) -> dict[str, KernelKey]:
 
 
 def candidate_tiles(n: int, k: int, silu: bool) -> list[Tile]:
-    """Tiles worth timing: 8-64 weight elements a thread per block, at least 128 programs; stages only where
-    the reduction takes more than one block (with one block the whole tile is read before gdc_wait)."""
     tiles = []
     for bn, bk, warps, stages in itertools.product([1, 2, 4, 8, 16], [256, 512, 1024, 2048], [2, 4, 8], [2, 3, 4, 6]):
         per_thread = bn * (2 if silu else 1) * bk / (32 * warps)
@@ -145,8 +135,7 @@ def kernel_calls(h: torch.Tensor, act: torch.Tensor, hidden: int) -> dict[str, C
 
 def sweep(layers: list[dict], hidden: int, qkv: int, inter: int, workers: int,
           record: dict | None = None) -> dict[str, Tile]:
-    """Each fused kernel's tile swept inside the whole layer stack (the other kernels at their default tile,
-    so the dependent-launch overlap with neighbours is what a step sees); returns the best tile per kernel."""
+    """The best tile per kernel, swept inside the whole stack so the dependent-launch overlap is what a step sees."""
     import multiprocessing
 
     keys = kernel_keys(hidden, qkv, inter)
@@ -173,7 +162,7 @@ def sweep(layers: list[dict], hidden: int, qkv: int, inter: int, workers: int,
         results = sorted((stack_us({key: t}), t) for t in candidate_tiles(*key))
         if record is not None:
             record[name] = {"default": default_tile(*key), "stack_us": base, "tiles": results}
-        # the leaders again, three times each: one replay loop can catch a slow moment
+        # Re-time the leaders: one replay loop can catch a slow moment.
         leaders = sorted((min(stack_us({key: t}) for _ in range(3)), t) for _, t in results[:6])
         best[name] = leaders[0][1]
         top = ", ".join(f"{t} {us:.2f}" for us, t in leaders[:4])

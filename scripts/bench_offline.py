@@ -2,13 +2,7 @@
 
     python scripts/bench_offline.py --config configs/bench/llama-3.2-1b.yaml [key=value ...] [--out DIR]
 
-Workload (config section `bench`): N requests of random token ids, uniform input
-and output lengths, sampling at the configured temperature, ignore_eos. Runs:
-tpinfer on the variable workload (+ ablations), tpinfer and the HF peers on the
-fixed-output variant. The roofline is measured in the same run: HBM bandwidth
-from a large device copy, bf16 matmul peak from a large GEMM; for the steps the
-engine actually executed, roofline time = sum over steps of
-max(bytes / bandwidth, flops / peak), bytes = weights + KV read + KV written.
+The roofline sums max(bytes / bandwidth, flops / peak) over the executed steps, with limits measured in the run.
 """
 
 from __future__ import annotations
@@ -35,14 +29,12 @@ RUNS = {
     # name: (config changes, fixed-output workload)
     "tpinfer": ({}, False),
     "tpinfer_no_graphs": ({"engine__cuda_graph_max_bs": 0}, False),
-    "tpinfer_eager_prefill": ({"engine__cuda_graph_prefill_tokens": 0}, False),  # decode graphs only
+    "tpinfer_eager_prefill": ({"engine__cuda_graph_prefill_tokens": 0}, False),
     "tpinfer_no_overlap": ({"scheduler__overlap": False}, False),
     "tpinfer_nccl": ({"parallel__all_reduce": "nccl"}, False),  # TP > 1: every all-reduce through NCCL
     "tpinfer_fixed": ({}, True),
-    "tpinfer_deterministic": ({"engine__deterministic": True}, False),  # batch-invariant kernels
-    "tpinfer_seeded": ({"bench__seeded": True}, False),  # every request with a seed of its own
-    # Evals and RL: 8 samples of each of 32 prompts at temperature 1 (as many sequences as the base
-    # run); logprobs with the top 5 alternatives on every row of the base workload.
+    "tpinfer_deterministic": ({"engine__deterministic": True}, False),
+    "tpinfer_seeded": ({"bench__seeded": True}, False),
     "tpinfer_n8": ({"bench__n": 8, "bench__num_requests": 32, "bench__temperature": 1.0}, False),
     "tpinfer_logprobs5": ({"bench__logprobs": 5}, False),
     "shared_prefix_radix": ({"cache__type": "radix"}, "shared"),
@@ -66,9 +58,6 @@ def run_one(name: str, args: argparse.Namespace) -> dict | None:
     if name == "limits":
         return measure_limits(torch.device("cuda"))
     if name in ("batch1_decode", "batch1_decode_unfused", "batch1_decode_flashinfer", "batch1_decode_deterministic"):
-        # _unfused: the same steps without the fused single-token GEMV layers (models/gemv.py);
-        # _flashinfer: with RoPE + flashinfer's decode + merge instead of split_decode.py in the graphs;
-        # _deterministic: engine.deterministic's batch-invariant kernels.
         fused = {"engine__fused_gemv": "never"} if name == "batch1_decode_unfused" else {}
         if name == "batch1_decode_deterministic":
             fused = {"engine__deterministic": True}
@@ -81,7 +70,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict | None:
         row = {"graph_step_ms": graph_s * 1e3, "graph_steady_step_ms": steady_s * 1e3, "eager_step_ms": eager_s * 1e3,
                "speedup": eager_s / graph_s}
         limits = json.loads(args.limits)
-        if limits:  # the floor: reading every weight once at the measured HBM bandwidth
+        if limits:  # the floor: reading every weight once
             floor_s = weight_bytes / (limits["hbm_gbps"] * 1e9)
             row.update(weight_read_floor_ms=floor_s * 1e3, graph_step_over_floor=graph_s / floor_s,
                        graph_steady_step_over_floor=steady_s / floor_s)
@@ -113,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--patch", action="append", default=[], metavar="MODULE.NAME=VALUE",
                         help="set a module constant (a Python literal) in every measured process, e.g. "
                              "models.gemv.TUNED_TILES={}")
-    parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # internal: one measurement
+    parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--limits", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*")
     return parser.parse_args(argv)
@@ -132,8 +121,7 @@ def plan_runs(base: BenchConfig, args: argparse.Namespace) -> list[str]:
 
 
 def measure(args: argparse.Namespace, run: str, limits: dict | None = None, tp: int = 1) -> dict:
-    # Each measurement in a fresh process (a torchrun job at TP > 1): no allocator state or
-    # CUDA graphs carried between runs.
+    # A fresh process per measurement: no allocator state or CUDA graphs carried between runs.
     launcher = [sys.executable]
     if tp > 1:
         # Our option is --measure, not --run: torchrun's parser would take "--run" for its "--run-path".
@@ -214,7 +202,6 @@ def apply_patch(patch: str) -> None:
 
 
 def add_scaling(results: dict) -> None:
-    """Speed-up and efficiency of each TP size over TP=1, per run."""
     runs = results["runs"]
     scaling = {}
     for key, row in runs.items():

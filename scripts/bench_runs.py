@@ -21,7 +21,7 @@ class StepLog:
     kv_read: list[int] = field(default_factory=list)  # sum of kv lengths (tokens) attended
     attn_pairs: list[int] = field(default_factory=list)  # sum of q_len * kv_len
     decode: list[bool] = field(default_factory=list)
-    scheduled_at: list[float] = field(default_factory=list)  # perf_counter when the step was handed over
+    scheduled_at: list[float] = field(default_factory=list)
 
     def __call__(self, batch) -> None:  # noqa: ANN001
         if batch is None:
@@ -59,7 +59,7 @@ def workload(cfg: BenchConfig, fixed: bool | str, n: int | None = None) -> tuple
 
 
 def measure_limits(device: torch.device) -> dict[str, float]:
-    """HBM bandwidth (GB/s, read+write of a 4 GiB copy) and bf16 matmul peak (TFLOP/s)."""
+    """HBM bandwidth (GB/s) from a large copy and bf16 matmul peak (TFLOP/s)."""
     src = torch.empty(1 << 31, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
     for _ in range(3):
@@ -127,9 +127,7 @@ class StepTimer:
 
 
 def decode_idle(steps: list[tuple[float, float, bool]]) -> dict[str, float]:
-    """Steps as (start ms, end ms, is decode): over each two decode steps in a row, the first one's GPU time
-    (busy) and the gap before the second (idle), and idle's share of busy + idle. Each term is clamped at 0,
-    so the share is in [0, 1] even for steps timed out of order."""
+    """Busy time and idle gaps between consecutive decode steps, clamped so steps timed out of order still fit."""
     busy = idle = 0.0
     for (s0, e0, d0), (s1, _, d1) in zip(steps, steps[1:]):
         if d0 and d1:
@@ -182,7 +180,7 @@ def run_tpinfer(cfg: BenchConfig, fixed: bool | str, limits: dict[str, float] | 
 
 
 def release(llm) -> None:  # noqa: ANN001 - runtime.LLM
-    """Give the GPU back before the next measurement in this process (the caller still holds ``llm``)."""
+    """Give the GPU back before the next measurement, though the caller still holds ``llm``."""
     llm.shutdown()
     llm.__dict__.clear()
     gc.collect()
@@ -190,10 +188,7 @@ def release(llm) -> None:  # noqa: ANN001 - runtime.LLM
 
 
 def batch1_step_time(cfg: BenchConfig, graphs: bool) -> tuple[float, float, int]:
-    """Seconds per decode step of a single request (graph replay versus eager): the whole run over its
-    decode steps (prefill and the run's start and end included), and the median interval between two
-    decode steps being scheduled (the steady state, which the GPU paces once the host is ahead); and the
-    weight bytes a step reads (as the roofline counts them)."""
+    """Seconds per decode step of one request (whole run, steady state) and the weight bytes a step reads."""
     from runtime import LLM, SamplingParams
 
     cfg.engine.cuda_graph_max_bs = 8 if graphs else 0
@@ -221,9 +216,9 @@ def run_hf(cfg: BenchConfig, mode: str) -> dict:
     from models.weights.loader import to_hf_state_dict
     from runtime import LLM
 
-    owner = LLM(config=cfg)  # creates the weights exactly as the tpinfer runs do
+    owner = LLM(config=cfg)
     model_dir = resolve_model_path(cfg.model.path)
-    hf_cfg = AutoConfig.from_pretrained(str(model_dir))  # the family's own class: Qwen2 biases, Qwen3 q/k norms
+    hf_cfg = AutoConfig.from_pretrained(str(model_dir))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_cfg)
     keys = model.load_state_dict(to_hf_state_dict(owner.engine.model), strict=False, assign=True)
@@ -257,7 +252,7 @@ def run_hf(cfg: BenchConfig, mode: str) -> dict:
             width = max(map(len, prompts))
             ids = torch.zeros(len(prompts), width, dtype=torch.long)
             mask = torch.zeros_like(ids)
-            for i, p in enumerate(prompts):  # left padding
+            for i, p in enumerate(prompts):
                 ids[i, width - len(p) :] = torch.tensor(p)
                 mask[i, width - len(p) :] = 1
             ids, mask = ids.cuda(), mask.cuda()

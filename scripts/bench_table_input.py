@@ -2,18 +2,7 @@
 
     python scripts/bench_table_input.py [--rows 200000] [--serve-s 20] [key=value ...]
 
-Writes a Parquet table of ``--rows`` rows (an id and a question of ~100 characters, row groups of 10,000), then:
-
-1. the reader alone, in a fresh process: the time to the first planned row (``open_input`` + the first
-   windows of ``Todo``), the time to read every row, and the peak RSS before and after;
-2. the whole job through ``launch.py`` (default model unless overridden): the time from the start of the
-   process to the job's start (its config copy appears) and to the first result row, and the peak RSS
-   (``VmHWM``) of the process, read while it serves for ``--serve-s`` seconds after its first row; the job is
-   then killed (its rows are on disk; a rerun would resume);
-3. the same job on the first ``--baseline-rows`` rows of the table: what the model and its KV cache cost
-   without a large input (on CPU the KV cache is host memory: ``cache.cpu_memory_bytes``).
-
-Prints one JSON object.
+Measures the reader alone, the whole job through ``launch.py``, and a small baseline job for the model's own cost.
 """
 
 from __future__ import annotations

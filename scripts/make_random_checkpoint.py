@@ -2,10 +2,7 @@
 
     python scripts/make_random_checkpoint.py configs/models/llama-3.2-1b /tmp/llama-1b-random [--seed 0]
 
-The tensors are drawn exactly as the engine draws them (full tensors, keyed by name), on
-the GPU when there is one, so the saved model equals ``model.random_weights=true`` on
-the same kind of device at any TP size. Loading the directory at TP=1 and TP=N then
-compares one model. Shards of about 2 GiB, with an index for HF transformers.
+Drawn exactly as the engine draws them, so it equals ``model.random_weights=true`` on the same kind of device.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Prepare the embedded default model (SmolLM2-135M-Instruct) ahead of time and print its path.
+"""Prepare the embedded default model ahead of time (e.g. before launching many ranks) and print its path.
 
-Useful before an offline run or before launching many ranks. Usage:
     python scripts/prepare_default_model.py [--quiet]
 """
 
@@ -10,7 +9,6 @@ import argparse
 import sys
 from pathlib import Path
 
-# Run as a plain script from a checkout: make the repo root importable.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from models.weights.default_model import ensure_default_model

@@ -20,7 +20,6 @@ from scripts.bench_runs import workload  # noqa: E402
 
 
 def gpu_kernels(prof: torch.profiler.profile) -> list[tuple[float, float, str]]:
-    """(start, end, name) of every GPU operation the profile recorded, in start order."""
     return sorted(
         (e.time_range.start, e.time_range.end, e.name) for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
@@ -44,9 +43,7 @@ def gpu_timeline(prof: torch.profiler.profile, steps: int) -> str:
 
 
 def critical_path(prof: torch.profiler.profile, steps: int, layers: int) -> str:
-    """Each kernel's end after the end of the kernel launched before it (the time it adds to the chain when
-    kernels overlap under programmatic dependent launch), median per kernel and position in the layer: a
-    kernel launched k times a layer is told apart by its launch index modulo k (qkv, o, gate_up, down)."""
+    """Per kernel, the time its end adds after the previous kernel's: what counts under dependent launch."""
     kernels = gpu_kernels(prof)
     counts = Counter(name for _, _, name in kernels)
     seen: dict[str, int] = {}

@@ -1,13 +1,8 @@
 """Replay a benchmark workload through the scheduler on CPU, without a model: how many steps of each kind.
 
-    python scripts/replay_schedule.py --config configs/bench/llama-3.2-1b.yaml bench.num_requests=1024 \\
-        [scheduler.admit_free_share=0]
+    python scripts/replay_schedule.py --config configs/bench/llama-3.2-1b.yaml [key=value ...]
 
-The step loop, the scheduler and ``LLM.run``'s refill run as in ``bench_offline.py``'s tpinfer run (overlap on,
-ignore_eos, the bench's page count); the engine only advances each request's bookkeeping. Scheduling does
-not depend on token values here, so the step counts equal the GPU run's (3,568 and 3,023 steps for the
-1,024-request 1B workload at shares 0 and 0.0625, as measured on the H200): a scheduler change can be
-judged before it reaches a GPU.
+Scheduling ignores token values here, so the step counts equal the GPU run's.
 """
 
 from __future__ import annotations

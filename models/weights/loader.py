@@ -1,9 +1,4 @@
-"""Build a model on the meta device and fill it from safetensors, one tensor slice at a time.
-
-No rank ever holds the whole checkpoint: each parameter is allocated directly on
-the target device in the target dtype, and its ``weight_loader`` reads only the
-slice this rank owns (safetensors slices are memory-mapped reads).
-"""
+"""Build a model on the meta device and fill it one tensor slice at a time: no rank holds the whole checkpoint."""
 
 from __future__ import annotations
 
@@ -67,8 +62,7 @@ def load_model(
         model = LlamaForCausalLM(cfg, kernels)
     if random_seed is None:
         files = checkpoint_files(path)
-        # Names and shapes come from the file headers, so a checkpoint that does not fit fails before any
-        # memory is allocated or tensor read, with everything that is wrong with it in one message.
+        # Checked from the headers, so a mismatched checkpoint fails before any allocation, in one message.
         check_checkpoint(path, checkpoint_index(files), model)
     materialize(model, device, dtype)
     if random_seed is not None:
@@ -87,8 +81,7 @@ def load_model(
                     param_name, shard_id = target
                     params[param_name].weight_loader(params[param_name], f.get_slice(ckpt_name), shard_id)
                     filled.add(param_name)
-    # A guard on checkpoint_shapes itself (check_checkpoint trusts it): a parameter no tensor was written to
-    # would keep whatever the allocator left in its memory.
+    # Guards checkpoint_shapes itself: an unfilled parameter would keep uninitialised memory.
     unfilled = sorted(set(params) - filled)
     if unfilled:
         raise RuntimeError(f"internal error: no checkpoint tensor of {path} was loaded into {unfilled}")
@@ -107,7 +100,6 @@ def checkpoint_index(files: list[Path]) -> dict[str, tuple[str, tuple[int, ...]]
 
 
 def _natural(name: str) -> list[str | int]:
-    """Sort key that puts layer 2 before layer 10."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
@@ -175,10 +167,7 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def random_checkpoint_tensor(name: str, shape: tuple[int, ...], seed: int, device: torch.device,
                              dtype: torch.dtype) -> torch.Tensor:
-    """One benchmark weight, a pure function of (seed, name, shape): N(0, 0.02) matrices, unit norms, zero biases.
-
-    Every rank draws the FULL tensor and keeps its slice, so any TP size builds the same model.
-    """
+    """One benchmark weight, drawn in full on every rank so that any TP size builds the same model."""
     if "norm" in name:
         return torch.ones(shape, device=device, dtype=dtype)
     if name.endswith("bias"):
@@ -189,7 +178,6 @@ def random_checkpoint_tensor(name: str, shape: tuple[int, ...], seed: int, devic
 
 
 def randomize(model: LlamaForCausalLM, seed: int) -> None:
-    """Benchmark weights drawn on the device, one full checkpoint tensor at a time, through the loaders."""
     param = next(model.parameters())
     params = dict(model.named_parameters())
     with torch.no_grad():

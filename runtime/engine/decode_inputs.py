@@ -1,12 +1,5 @@
-"""A decode step's model inputs, gathered from the device pools: the token ids and the cache slots.
-
-Each request of a decode step has a page-table row and the position of its new token. Its input token is
-``token_pool[row, pos]`` (written there by the previous step's sampling, so the host never waits for it)
-and the new K/V go to slot ``page_table[row, pos // page] * page + pos % page``. Eager steps gather them
-with ``gather_torch``; CUDA graphs gather them with ``gather_into`` inside the graph, one Triton kernel
-instead of nine small eager kernels and four copies ahead of every replay (the host then uploads only
-the rows and positions).
-"""
+"""A decode step's token ids and cache slots, gathered from the device pools so the host never waits for the
+previous step's tokens; CUDA graphs gather inside the graph."""
 
 from __future__ import annotations
 
@@ -47,8 +40,7 @@ def gather_into(
     token_pool: torch.Tensor, page_table: torch.Tensor, rows_pos: torch.Tensor, page: int,
     ids: torch.Tensor, slots: torch.Tensor,
 ) -> None:
-    """``gather_torch`` for ``bs`` tokens into ``ids`` and ``slots`` ([bs] each); ``rows_pos``: int64
-    ``[2 * bs]``, the rows then the positions (the layout the engine's upload starts with)."""
+    """``gather_torch`` into ``ids`` and ``slots``; ``rows_pos``: the rows, then the positions."""
     bs = ids.shape[0]
     if rows_pos.shape != (2 * bs,) or slots.shape != (bs,):
         raise ValueError(f"rows_pos must be [2 * {bs}] and slots [{bs}], got {tuple(rows_pos.shape)}, "

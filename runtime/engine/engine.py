@@ -1,11 +1,5 @@
-"""The engine: the data plane on every rank (load, size the KV cache, run a step, sample).
-
-Every rank runs an Engine; only rank 0 also runs the scheduler. ``forward_batch``
-returns at once with ``ForwardOutput(next_tokens_gpu, next_tokens_cpu,
-copy_done_event, logprobs)``: the device-to-host copy of the tokens (and of the
-logprobs of rows that ask, ``runtime.engine.logprobs``) is enqueued on the engine
-stream and only the consumer waits for it (ARCHITECTURE.md, "One step").
-"""
+"""The engine: the data plane on every rank. ``forward_batch`` returns at once; only the consumer waits for the
+tokens' device-to-host copy (ARCHITECTURE.md, "One step")."""
 
 from __future__ import annotations
 
@@ -45,11 +39,11 @@ class ForwardOutput:
     next_tokens_gpu: torch.Tensor
     next_tokens_cpu: torch.Tensor
     copy_done_event: torch.cuda.Event | None  # None on CPU, where the copy is synchronous
-    logprobs: LogprobsOutput | None = None  # host copies, covered by the same event; None: no row asked
+    logprobs: LogprobsOutput | None = None
 
 
 def wants_cuda(device: str) -> bool:
-    """``engine.device``: ``auto`` means CUDA when this machine has it (the one place this is decided)."""
+    """``engine.device``: ``auto`` means CUDA when this machine has it."""
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("engine.device=cuda but CUDA is not available on this machine")
     return device == "cuda" or (device == "auto" and torch.cuda.is_available())
@@ -86,12 +80,10 @@ class Engine:
         if use_fi and not on_gpu:
             raise ValueError("engine.kernels=flashinfer needs a CUDA device")
         kernels = FLASHINFER_KERNELS if use_fi else TORCH_KERNELS
-        triton_gpu = use_fi and gemv.supported(self.device)  # our Triton kernels can run here
+        triton_gpu = use_fi and gemv.supported(self.device)
         if triton_gpu and add_norm.PREFERRED:
             kernels = dataclasses.replace(kernels, add_rms_norm=add_norm.add_rms_norm)
-        # The fused single-token layers pay inside CUDA graphs only (eagerly, the 1B step took 5.7 ms
-        # against 4.7: Triton's launch overhead on the host).
-        # auto fuses wherever it can: faster at every measured width (135M to 8B shapes, benchmarks/README.md).
+        # The fused single-token layers pay only inside CUDA graphs (Triton's eager launch overhead).
         fused = cfg.engine.fused_gemv != "never" and not cfg.engine.deterministic
         if fused and triton_gpu and self.tp_size == 1 and cfg.engine.cuda_graph_max_bs > 0:
             kernels = dataclasses.replace(kernels, fused_gemv=True)
@@ -126,7 +118,6 @@ class Engine:
         self._setup_collectives_and_graphs()
 
     def _invariant_linear(self, on_gpu: bool):  # noqa: ANN202 - a linear function
-        """engine.deterministic's GEMM: blocks of one row count on CPU; on GPUs the Triton GEMM's bits."""
         if not on_gpu:
             return invariant_linear.cpu_linear
         if invariant_linear.triton is None:
@@ -141,21 +132,18 @@ class Engine:
             cfg.parallel.all_reduce, get_device_group(), get_cpu_group(), self.tp_size, self.device, self.dtype,
             decode_tokens * self.model_config.hidden_size * self.dtype.itemsize,
         )
-        if cfg.engine.deterministic and self.tp_size > 1:  # every size summed in rank order (no NCCL algorithm choice)
+        if cfg.engine.deterministic and self.tp_size > 1:
             self.custom_all_reduce = OrderedAllReduce(get_device_group(), self.tp_size)
         set_custom_all_reduce(self.custom_all_reduce)
         if self.stream is not None:
-            # The weights, KV cache, page table and token pool were filled on the default stream; the engine
-            # stream runs the graph warm-ups and every step. Without this wait a new engine's first gather
-            # from the page table could run before its fill and read the block's previous contents (a
-            # dropped engine's data) as page ids: an illegal memory access.
+            # The pools were filled on the default stream; without this wait the engine stream's first gather
+            # could read a reused block's stale contents as page ids (an illegal memory access).
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.check_tokens = cfg.parallel.check_tokens and self.tp_size > 1
         self.graph_runner = None
         if self.stream is not None and self.attn_backend.supports_graphs and cfg.engine.cuda_graph_max_bs > 0:
             from runtime.engine.graph import GraphRunner
 
-            # A prefill step never holds more than the scheduler's budget, nor more than every row at full length.
             prefill_tokens = min(cfg.engine.cuda_graph_prefill_tokens, cfg.scheduler.max_prefill_tokens,
                                  self.max_running * self.max_seq_len)
             with torch.cuda.stream(self.stream):
@@ -165,11 +153,9 @@ class Engine:
 
     @classmethod
     def from_config(cls, cfg: RuntimeConfig) -> Engine:
-        """This rank's engine for ``cfg.model.path`` (``default`` = the embedded model)."""
         model_dir = resolve_model_path(cfg.model.path)
         return cls(cfg, model_dir, ModelConfig.from_dir(model_dir))
 
-    # ---- memory ---------------------------------------------------------------------------------------
     def _free_memory(self, placed_bytes: int = 0) -> int:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -204,27 +190,19 @@ class Engine:
         log.info("KV cache: %d pages of %d tokens (%.2f GiB)", num_pages, self.page_size, num_pages * per_page / 2**30)
         return num_pages
 
-    # ---- one step ---------------------------------------------------------------------------------------
     def _stream(self) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def _prepare_inputs(
         self, batch: Batch, plan: LogprobPlan | None = None, graph: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Write admissions into the device pools, then gather this step's inputs from them.
-
-        Everything the host contributes travels in one pinned copy; the rest is device-side indexing.
-        A logprob plan adds its indices to that copy and its prompt positions to the logits indices.
-        Returns the sampled tokens' destinations in the token pool (rows, positions) and the upload's
-        leading rows and positions (``[2 * tokens]``): a CUDA graph gathers its inputs from those itself
-        (``graph``: nothing is gathered here).
-        """
+        """Write admissions into the device pools, then gather this step's inputs; the host's part is one copy."""
         ext = batch.ext_lens
         if batch.is_decode:
             tok_rows, tok_pos = batch.rows, batch.starts
         else:
             tok_rows, tok_pos = np.repeat(batch.rows, ext), concat_ranges(ext, batch.starts)
-            if graph:  # a prefill graph's dummy tokens: position 0 of the dummy row (its page is the dummy page)
+            if graph:
                 pad = batch.padded_size - len(tok_rows)
                 tok_rows = np.concatenate((tok_rows, np.full(pad, self.dummy_row, np.int32)))
                 tok_pos = np.concatenate((tok_pos, np.zeros(pad, np.int64)))
@@ -250,7 +228,7 @@ class Engine:
             self.page_table[p_rows, p_cols] = p_ids.int()
         if plan is not None:
             plan.bind(list(dev[11:]), self.token_pool)  # prompt targets: read after admissions are written
-        batch.logits_indices = None if batch.is_decode else last_idx  # a prefill graph copies it in
+        batch.logits_indices = None if batch.is_decode else last_idx
         if not graph:
             batch.input_ids, batch.out_loc = gather_torch(self.token_pool, self.page_table, rows, pos, self.page_size)
             batch.positions = pos
@@ -280,7 +258,6 @@ class Engine:
             next_tokens = self.sampler.sample(logits[:n], args).to(torch.int32)
             if self.check_tokens:
                 assert_same_on_all_ranks(next_tokens, "sampled tokens")
-            # The sampled token becomes the next decode input (discarded rows write to the dummy row).
             self.token_pool[sample_rows[:n], kv_lens[:n]] = next_tokens
             # Every rank computes them (the logits are all-gathered), so every rank runs the same kernels.
             logprobs = compute_logprobs(plan, logits, next_tokens, n) if plan is not None else None
@@ -294,12 +271,8 @@ class Engine:
         return ForwardOutput(next_tokens, next_cpu, event, host_logprobs)
 
     def close(self) -> None:
-        """Release the CUDA graphs and the custom all-reduce; call before destroying the process groups.
-
-        A graph that captured an NCCL collective holds a reference on NCCL's communicator, and
-        ``ncclCommDestroy`` (inside ``destroy_process_group``) waits until every such graph is gone:
-        leaving the graphs to interpreter exit made every TP>1 job on GPUs hang after its last row.
-        """
+        """Release the CUDA graphs and the custom all-reduce; call before destroying the process groups, since
+        ``ncclCommDestroy`` waits until every graph that captured an NCCL collective is gone."""
         if self.graph_runner is not None:
             self.graph_runner.close()
             self.graph_runner = None

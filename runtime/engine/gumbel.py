@@ -1,16 +1,5 @@
-"""The GPU sampler: counter-keyed Gumbel-max over the logits in two Triton kernels.
-
-A row draws argmax over its kept tokens of ``logit / T + G``, ``G = -ln(-ln u)``, where ``u`` is a hash of
-(the row's seed, the sampled position, the token): the draw reads no generator state and does not depend on
-the row's place in the batch. The first kernel splits each row over vocab blocks and leaves, per block, the
-best score and its token plus the block's softmax max and sum (over the kept tokens); the second, one
-program a row, combines the blocks in block order and, for rows with top-p, walks the candidates (below).
-
-Top-p without sorting: the nucleus is closed upwards (a token more probable than a kept one is kept), so the
-best-scoring kept token is found by taking the best-scoring token above a floor, testing whether it is in
-the nucleus (the mass strictly above it is below ``top_p`` of the kept mass), and, if not, raising the floor
-to it. Each test is one pass over the row, which stays in L2; a row usually needs one.
-"""
+"""The GPU sampler: counter-keyed Gumbel-max in two Triton kernels (``runtime.engine.sampler`` is the reference).
+Top-p needs no sort: the nucleus is closed upwards, so the floor rises until the best token above it is inside."""
 
 from __future__ import annotations
 
@@ -24,7 +13,7 @@ try:
 except ImportError:  # CPU-only installs sample with the torch reference (runtime.engine.sampler)
     triton = None
 
-BLOCK = 4096  # logits per program of the first kernel
+BLOCK = 4096
 
 if triton is not None:
     from triton.language.extra.cuda import libdevice
@@ -41,7 +30,6 @@ if triton is not None:
 
     @triton.jit
     def _row_key(seed_ptr, pos_ptr, row):
-        """The row's noise key: its int64 seed and its position hashed into 32 bits (noise.py's ``row_keys``)."""
         seed = tl.load(seed_ptr + row)
         lo = (seed & 0xFFFFFFFF).to(tl.uint32)
         hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
@@ -50,12 +38,12 @@ if triton is not None:
 
     @triton.jit
     def _gumbel(cols, key, FAST_LOG: tl.constexpr):
-        """Gumbel noise of tokens ``cols`` for the row key ``key``; 23 bits keep ``u`` strictly inside (0, 1)."""
+        """Gumbel noise of tokens ``cols``; 23 bits keep ``u`` strictly inside (0, 1)."""
         h = _lowbias32(cols.to(tl.uint32) ^ key)
         u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-        if FAST_LOG:  # lg2.approx (~2 ulp): the precise logarithm made the pass compute-bound
+        if FAST_LOG:  # the precise logarithm makes the pass compute-bound
             return -0.6931471805599453 * libdevice.fast_log2f(-0.6931471805599453 * libdevice.fast_log2f(u))
-        return -0.6931471805599453 * tl.log2(-0.6931471805599453 * tl.log2(u))  # ln 2 * log2 = ln
+        return -0.6931471805599453 * tl.log2(-0.6931471805599453 * tl.log2(u))
 
     @triton.jit
     def _block_pass(
@@ -96,7 +84,7 @@ if triton is not None:
         t = tl.load(temp_ptr + row)
         top_p = tl.load(top_p_ptr + row)
         if (t > 0.0) & (top_p < 1.0):
-            scale = 1.4426950408889634 / t  # log2(e): exp2 of scaled logits
+            scale = 1.4426950408889634 / t
             inv_t = 1.0 / t
             block_max = tl.load(max_ptr + part, mask=ok, other=float("-inf"))
             m = tl.max(block_max, axis=0)
@@ -131,9 +119,7 @@ def sample(
     logits: torch.Tensor, temperatures: torch.Tensor, thresholds: torch.Tensor, top_p: torch.Tensor,
     seeds: torch.Tensor, positions: torch.Tensor,
 ) -> torch.Tensor:
-    """int32 tokens ``[rows]``: ``logits`` ``[rows, vocab]`` (any float dtype, last dim dense); per row float32
-    temperatures (<= 0: greedy), top-k thresholds (keep logits >= it; -inf keeps all), top-p (1: off), int64
-    seeds and positions (the noise keys)."""
+    """int32 tokens from ``logits`` with per-row temperatures (<= 0: greedy), top-k thresholds, top-p, seeds, positions."""
     rows, vocab = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()

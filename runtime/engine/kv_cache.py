@@ -1,8 +1,4 @@
-"""Paged KV cache on the device: the sizing formula and the storage (the allocator is the scheduler's).
-
-Page 0 is the reserved dummy page: padded CUDA-graph slots and unused
-page-table entries point at it, so every index the kernels read is valid.
-"""
+"""Paged KV cache on the device. Page 0 is the dummy page for padding, so every index the kernels read is valid."""
 
 from __future__ import annotations
 
@@ -10,7 +6,6 @@ import torch
 
 
 def page_bytes(num_layers: int, num_kv_heads_local: int, head_dim: int, page_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one page across all layers: K and V, this rank's KV heads."""
     return 2 * num_layers * num_kv_heads_local * head_dim * page_size * dtype.itemsize
 
 
@@ -38,7 +33,6 @@ class KVCache:
         return self.buffer[layer, 1]
 
     def store(self, layer: int, out_loc: torch.Tensor, kv: torch.Tensor) -> None:
-        """Write this step's K and V (``[tokens, 2, kv_heads, head_dim]``, any strides) at flat slot indices
-        ``page * page_size + offset``: one indexed copy for both."""
+        """Write this step's K and V at flat slot indices in one indexed copy."""
         heads, dim = kv.shape[-2:]
         self.buffer[layer].view(2, -1, heads, dim)[:, out_loc] = kv.transpose(0, 1)

@@ -1,17 +1,5 @@
-"""Token sampling: one semantics on every device, drawn from counter-keyed noise.
-
-Temperature 0 is greedy (the first largest logit). Otherwise a row keeps its top-k tokens (every logit at
-least the k-th largest), then its nucleus: the kept tokens whose strictly more probable kept tokens hold less
-than ``top_p`` of the kept probability mass (so the most probable token always stays, and tied tokens stay
-or go together). It draws the kept token with the largest ``logit / T + G``, G Gumbel noise that is a pure
-function of (the row's seed, the sampled position, the token): Gumbel-max, a draw from softmax(logits / T)
-over the kept tokens. Nothing depends on the batch a row runs in, on a generator's state, on the device
-count or on the order of steps, so a row's tokens depend only on its seed and its logits.
-
-Every row has a seed: its own, or one derived from the run's ``engine.seed`` and the row's key
-(``runtime.batch``). The GPU runs two Triton kernels (``runtime.engine.gumbel``); this module's torch
-version is the reference, used on CPU and wherever Triton is missing.
-"""
+"""Token sampling: Gumbel-max over top-k, then the nucleus, with noise that is a pure function of (seed, position,
+token), so a row's tokens never depend on the batch or the device. The GPU kernels are in ``runtime.engine.gumbel``."""
 
 from __future__ import annotations
 
@@ -29,16 +17,15 @@ _MASK32 = 0xFFFFFFFF
 
 @dataclass
 class SamplingArgs:
-    temperatures: torch.Tensor | None  # float32 per row, 0 = greedy; None: the whole batch is greedy
-    top_p: torch.Tensor | None = None  # float32 per row, 1 = off
-    top_k: torch.Tensor | None = None  # int64 per row, 0 = off; None: no row restricts top-k
-    max_k: int = 0  # the largest top-k of the batch (the host knows it, so no device sync asks)
-    seeds: torch.Tensor | None = None  # int64 per row
-    positions: torch.Tensor | None = None  # int64 per row: the position of the sampled token
+    temperatures: torch.Tensor | None  # None: the whole batch is greedy
+    top_p: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None
+    max_k: int = 0  # known on the host, so no device sync asks
+    seeds: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
 
 
 def _lowbias32(x: torch.Tensor) -> torch.Tensor:
-    """gumbel.py's 32-bit hash on int64 tensors holding uint32 values (products wrap; the mask keeps 32 bits)."""
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _MASK32
     x = x ^ (x >> 15)
@@ -69,7 +56,7 @@ def top_k_thresholds(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> t
 
 def kept_tokens(x: torch.Tensor, inv_t: torch.Tensor, thresholds: torch.Tensor | None,
                 top_p: torch.Tensor | None) -> torch.Tensor:
-    """Bool ``[rows, vocab]``: the top-k tokens, then their nucleus (the module's rule), of float32 logits."""
+    """Bool ``[rows, vocab]``: the top-k tokens, then their nucleus; tied tokens stay or go together."""
     keep = x >= thresholds[:, None] if thresholds is not None else torch.ones_like(x, dtype=torch.bool)
     if top_p is None:
         return keep
@@ -85,7 +72,6 @@ def kept_tokens(x: torch.Tensor, inv_t: torch.Tensor, thresholds: torch.Tensor |
 
 
 def sample_torch(logits: torch.Tensor, args: SamplingArgs) -> torch.Tensor:
-    """The reference draw (any device): the module's semantics in plain torch."""
     x = logits.float()
     greedy_tokens = x.argmax(dim=-1)
     if args.temperatures is None:
@@ -110,7 +96,6 @@ class Sampler:
             self.kernels = gumbel if gumbel.triton is not None else None
 
     def prepare(self, batch: Batch) -> SamplingArgs:
-        """The step's sampling parameters on the device, in two uploads (floats, integers)."""
         if batch.all_greedy:
             return SamplingArgs(temperatures=None)
         temps = batch.temperature.astype(np.float32)

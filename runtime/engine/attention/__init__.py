@@ -1,14 +1,5 @@
-"""Attention backends behind one interface, and the one place that picks a backend.
-
-``prepare(batch)`` builds the step's metadata once (shared by all layers);
-``forward(q, kv, layer_id, cos_sin)`` rotates q and k (neox RoPE at the batch's positions, from the
-model's cos/sin table), writes this step's K/V (``kv``: ``[tokens, 2, kv_heads, head_dim]``) into the
-paged cache and returns attention over the cached sequence; the flashinfer backend does the rotation
-and the write in one kernel. A backend that serves CUDA graphs
-(``supports_graphs``) also keeps one static-buffer decode state per captured
-batch size: ``init_graph(bs, max_pages_per_req)`` before capture, then
-``prepare_graph(batch)`` before the capture and before every replay.
-"""
+"""Attention backends behind one interface. ``forward`` applies RoPE, writes the step's K/V to the paged cache and
+attends; graph-capable backends call ``prepare_graph`` before the capture and before every replay."""
 
 from __future__ import annotations
 
@@ -33,8 +24,7 @@ def make_attention_backend(
     name: str, kv_cache: KVCache, page_table: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
     dtype: torch.dtype, deterministic: bool = False,
 ) -> AttentionBackend:
-    """``engine.attention_backend``: ``auto`` is flashinfer on CUDA and the torch reference elsewhere.
-    ``deterministic``: kernels whose result for a token does not depend on the batch or the chunking."""
+    """``engine.attention_backend``: ``auto`` is flashinfer on CUDA and the torch reference elsewhere."""
     on_gpu = page_table.device.type == "cuda"
     if name == "auto":
         from models.ops import flashinfer_installed

@@ -1,10 +1,4 @@
-"""flashinfer paged attention (GPU): prefill and decode wrappers, plus the CUDA-graph decode form.
-
-``plan()`` is host work that stages its schedule through one pinned buffer per
-wrapper; with overlap scheduling the host may plan step N+1 before the GPU has
-consumed step N's copy, so each wrapper waits on an event recorded after its
-previous plan (normally long done) before planning again.
-"""
+"""flashinfer paged attention (GPU), plus the Triton decode kernels for CUDA graphs."""
 
 from __future__ import annotations
 
@@ -20,32 +14,12 @@ from runtime.engine.kv_cache import KVCache
 from runtime.utils import concat_ranges, host_to_device
 
 WORKSPACE_BYTES = 128 << 20
-# Decode attention kernels, measured on the H200 inside CUDA graphs (scripts/bench_attention.py, requests
-# of 200-2000 cached tokens, 32/8 heads): at 256 requests flashinfer's tensor-core decode on its fa2
-# prefill kernel reads the cache at 3.3 TB/s (head_dim 64) and 3.9 TB/s (128), the CUDA-core decode
-# kernel at 2.3-2.4 TB/s, the fa3 kernel (what "auto" picks on Hopper) at 0.5 TB/s; the tensor-core
-# kernel leads from 4 requests up (11.5 against 13.6 us), the CUDA-core kernel at 1 request (7.8
-# against 10.1 us). The CUDA-core kernel is compiled only for 1, 2, 3, 4 or 8 query heads per KV
-# head (Qwen2.5-7B has 7, 14B 5).
+# flashinfer's tensor-core decode (fa2) from this batch up; the CUDA-core kernel exists only for these GQA groups.
 TENSOR_CORE_DECODE_MIN_BATCH = 4
 CUDA_CORE_GROUP_SIZES = (1, 2, 3, 4, 8)
-# Captured decode graphs of up to this many requests attend with split_decode.py (RoPE, KV write, split-KV
-# attention and merge in two Triton kernels, no plan on the host) instead of RoPE + flashinfer + merge.
-# scripts/bench_attention.py on the H200 (32/8 heads x 64, inside graphs, with the RoPE + KV write): one
-# request of 250-300 tokens 6.6 against 9.1 us, of 200-2000 tokens 11.5 against 9.8; two requests
-# 19.4 against 11.6, eight 52.4 against 16.4 (one program per block does not scale with the batch).
 SPLIT_DECODE_MAX_BATCH = 1
-# Captured decode graphs of at least this many requests attend with paged_decode.py (RoPE, KV write, split-KV
-# attention and merge in one Triton kernel, no host plan) instead of RoPE + flashinfer + merge.
-# scripts/bench_attention.py on the H200 (inside graphs, 200-1400 tokens, us a call, flashinfer's better kernel
-# against paged_decode): 9/3 heads x 64 at 2 requests 7.9 against 6.9, at 16 9.3 against 10.1, at 128 37.7
-# against 30.2, at 256 60.2 against 49.0; 32/8 x 64 at 2 8.2 against 7.6, at 32 28.3 against 21.2, at 256
-# 133.6 against 117.1; 32/8 x 128 at 256 216.8 against 209.3.
 PAGED_DECODE_MIN_BATCH = 2
-# flashinfer's kernel for prefill and chunked-prefill steps ("auto" picks fa3 on Hopper, fa2 before). Measured on
-# the H200 (SmolLM2's 16k-token steps): eagerly fa2 took less GPU time (158 against 181 ms over the benchmark's
-# prefill). In CUDA-graph mode fa2's plan always splits the KV, and at 16k tokens the split's temporaries
-# (188 MB) overflowed the 128 MB workspace, so graph-mode prefill plans disable the split (``prepare``).
+# Graph-mode fa2 plans always split the KV, which can overflow the workspace: ``prepare`` disables the split.
 PREFILL_BACKEND = "auto"
 
 
@@ -62,7 +36,6 @@ def triton_next_power_of_2(n: int) -> int:
 
 
 def grown(held: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``held`` if it holds ``numel`` elements, else a new zeroed buffer of that size (at least one element)."""
     if held is not None and held.numel() >= numel:
         return held
     return torch.zeros(max(numel, 1), dtype=dtype, device=device)
@@ -86,25 +59,19 @@ class FlashInferBackend:
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.cuda_cores_allowed = num_qo_heads // num_kv_heads in CUDA_CORE_GROUP_SIZES
         self.prefill = self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=PREFILL_BACKEND)
-        # Eager decode (graphs off, or a batch above the largest graph): both kernels, chosen per batch size
-        # by the same rule as the graphs.
         self.decode = {tc: self._decode_wrapper(tc) for tc in (False, True)}
         self.graph_decode: dict[int, object] = {}
-        self.graph_prefill: dict[int, object] = {}  # captured prefill token counts: graph-mode wrappers
-        # Captured sizes that decode on split_decode: their split count and partial-result workspace.
+        self.graph_prefill: dict[int, object] = {}
         self.split_graphs: dict[int, tuple[int, torch.Tensor]] = {}
         self._plan_done: dict[int, torch.cuda.Event] = {}
         self.active: object = None
-        self.split: tuple[int, torch.Tensor] | None = None  # this step's, when it decodes on split_decode
-        # Captured sizes that decode on paged_decode: (chunk tokens, chunk count, workspace, counters). Graphs
-        # never run at once, so they share these buffers: a new one only when a size needs more than the last
-        # (the graphs captured before keep theirs through this dict).
+        self.split: tuple[int, torch.Tensor] | None = None
+        # Graphs never run at once, so they share buffers, grown when a size needs more.
         self.paged_graphs: dict[int, tuple[int, int, torch.Tensor, torch.Tensor]] = {}
-        self.paged: tuple[int, int, torch.Tensor, torch.Tensor] | None = None  # this step's, on paged_decode
+        self.paged: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
         self._paged_workspace: torch.Tensor | None = None
         self._paged_counters: torch.Tensor | None = None
-        # Deterministic: every decode step (graphs of any size, eager steps) on paged_decode with one chunk size,
-        # so a token's attention is summed in the same order whatever the batch; prefill never splits the KV.
+        # Deterministic: every decode on paged_decode with one chunk size, and prefill never splits the KV.
         self.deterministic = deterministic
         if deterministic:
             if not pd.supports(num_qo_heads, num_kv_heads, head_dim, dtype):
@@ -118,7 +85,6 @@ class FlashInferBackend:
         return batch_size >= TENSOR_CORE_DECODE_MIN_BATCH or not self.cuda_cores_allowed
 
     def _decode_wrapper(self, tensor_cores: bool, **graph_buffers: torch.Tensor) -> object:
-        """A decode wrapper on either kernel; CUDA-graph form when given its static buffers."""
         graph = bool(graph_buffers)
         if not tensor_cores:
             return self.fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_cuda_graph=graph, **graph_buffers)
@@ -127,7 +93,6 @@ class FlashInferBackend:
         )
 
     def _indices(self, batch: Batch, num_pages: np.ndarray) -> torch.Tensor:
-        """Page ids of every request, concatenated, gathered from the device page table."""
         rows = np.repeat(batch.rows, num_pages)
         cols = concat_ranges(num_pages)
         idx = host_to_device(np.stack((rows, cols)).astype(np.int64), self.device)
@@ -136,7 +101,8 @@ class FlashInferBackend:
     def _plan(self, wrapper: object, plan_call) -> None:  # noqa: ANN001
         event = self._plan_done.get(id(wrapper))
         if event is not None:
-            event.synchronize()  # the previous plan's pinned staging copy has been consumed
+            # With overlap scheduling, plan N+1 must not overwrite the pinned staging copy before step N used it.
+            event.synchronize()
         plan_call()
         event = event or torch.cuda.Event()
         event.record()
@@ -145,7 +111,7 @@ class FlashInferBackend:
 
     def prepare(self, batch: Batch, wrapper: object | None = None) -> None:
         self.split = self.paged = None
-        if self.deterministic and batch.is_decode:  # paged_decode reads positions and rows on the device
+        if self.deterministic and batch.is_decode:
             self.active, self.paged = None, self.eager_paged
             return
         hq, hkv, dim = self.heads
@@ -179,10 +145,8 @@ class FlashInferBackend:
             return pd.paged_decode(q, kv, batch.positions, batch.req_rows, batch.out_loc, cos_sin, self.page_table,
                                    self.kv_cache.buffer[layer_id], workspace, counters, chunk, chunks)
         rope_and_store(batch.positions, q, kv, cos_sin, self.kv_cache, layer_id, batch.out_loc)
-        # q may be a strided view into the fused qkv output: the kernels take its row and head strides.
         return self.active.run(q, (self.kv_cache.k(layer_id), self.kv_cache.v(layer_id)))
 
-    # CUDA graphs: one decode wrapper per captured batch size, over static index buffers.
     def init_graph(self, bs: int, max_pages_per_req: int) -> None:
         dev = self.device
         hq, hkv, dim = self.heads
@@ -210,8 +174,7 @@ class FlashInferBackend:
         )
 
     def _paged_state(self, bs: int, max_pages_per_req: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
-        """Deterministic decode's paged_decode state for ``bs`` requests: one chunk size for every batch (the
-        fewest chunks a sequence may have, past 1,024 tokens), its workspace and counters shared."""
+        """paged_decode state with one chunk size for every batch, so the summation order never depends on it."""
         hq, hkv, dim = self.heads
         max_len = max_pages_per_req * self.kv_cache.page_size
         chunk = max(1024, triton_next_power_of_2(-(-max_len // pd.MAX_CHUNKS)))
@@ -222,8 +185,7 @@ class FlashInferBackend:
         return chunk, chunks, self._paged_workspace, self._paged_counters
 
     def init_prefill_graph(self, tokens: int, requests: int, max_pages_per_req: int) -> None:
-        """A graph-mode prefill wrapper for steps of ``tokens`` tokens over exactly ``requests`` requests (the
-        plan's batch size and its largest token count are fixed by the first plan, the capture's)."""
+        """A graph-mode prefill wrapper; its batch size and token count are fixed by the capture's plan."""
         dev = self.device
         self.graph_prefill[tokens] = self.fi.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, backend=PREFILL_BACKEND,
@@ -234,17 +196,16 @@ class FlashInferBackend:
         )
 
     def prepare_graph(self, batch: Batch) -> None:
-        """Plan the graph wrapper of ``batch.padded_size`` (before capture and before every replay)."""
         self.split = self.paged = None
         if not batch.is_decode:
             self.prepare(batch, self.graph_prefill[batch.padded_size])
             return
         split = self.split_graphs.get(batch.padded_size)
-        if split is not None:  # split_decode reads positions and page-table rows on the device: no plan
+        if split is not None:  # the Triton kernels need no host plan
             self.active, self.split = None, split
             return
         paged = self.paged_graphs.get(batch.padded_size)
-        if paged is not None:  # so does paged_decode
+        if paged is not None:
             self.active, self.paged = None, paged
             return
         self.prepare(batch, self.graph_decode[batch.padded_size])

@@ -1,11 +1,4 @@
-"""RoPE on q and k and the KV-cache write of a layer in one GPU kernel (Triton).
-
-Unfused, a layer runs flashinfer's RoPE (in place on q and k) and then an indexed copy of K and V into the
-paged cache: two launches per layer and a second read of K. Here one program per token rotates its q heads
-in place and writes its rotated k heads and its v heads straight to the token's cache slot. Neox-style
-rotation over the whole head (every supported family), computed in float32 and rounded once, as
-flashinfer's kernel does. Without Triton: flashinfer's RoPE, then ``KVCache.store``.
-"""
+"""RoPE and the KV-cache write in one Triton kernel, saving a launch and a second read of K."""
 
 from __future__ import annotations
 
@@ -23,7 +16,6 @@ if triton is not None:
 
     @triton.jit
     def _rotate(src, cos, sin, dst, dst1, mask, HALF: tl.constexpr):
-        """Rotate the head rows at ``src`` (first halves; second halves HALF further) into ``dst``/``dst1``."""
         x1 = tl.load(src, mask=mask).to(tl.float32)
         x2 = tl.load(src + HALF, mask=mask).to(tl.float32)
         tl.store(dst, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
@@ -55,8 +47,7 @@ def rope_and_store(
     positions: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, cos_sin: torch.Tensor, kv_cache: KVCache,
     layer: int, out_loc: torch.Tensor,
 ) -> None:
-    """Rotate ``q`` ([tokens, heads, d], in place) and K of ``kv`` ([tokens, 2, kv_heads, d]) at ``positions``,
-    and write K and V to the cache slots ``out_loc``. Rows may be strided; heads and dims must be dense."""
+    """Rotate ``q`` in place and K of ``kv``, and write K and V to ``out_loc``; heads and dims must be dense."""
     tokens, heads, dim = q.shape
     kv_heads = kv.shape[2]
     if triton is None:
@@ -67,7 +58,7 @@ def rope_and_store(
         )
         kv_cache.store(layer, out_loc, kv)
         return
-    cache = kv_cache.buffer[layer]  # [2, pages, page_size, kv_heads, d]
+    cache = kv_cache.buffer[layer]
     _rope_store[(tokens,)](
         q, q.stride(0), kv, kv.stride(0), positions, cos_sin, out_loc, cache, cache.stride(0),
         HQ=heads, HKV=kv_heads, HQ_P2=triton.next_power_of_2(heads), HKV_P2=triton.next_power_of_2(kv_heads),

@@ -1,26 +1,5 @@
-"""Decode attention for one-request CUDA graphs (Triton): RoPE, the KV write and split-KV attention.
-
-At one request a layer's flashinfer decode is three kernels (RoPE + KV store, the split-KV decode,
-the merge of its splits: 2.6 + 6.5 + 3.2 us on the 1B shape, ~12 us a layer against ~40 us for all
-of its weights). Here it is one, ``_split_attend``, with one program per (request, KV head, split):
-
-- it rotates its q heads and the new k (neox RoPE over the whole head, float32, rounded to the model
-  dtype as the cache and the unfused path hold them) and writes the new K and V to the cache (split 0
-  only);
-- it attends over its share of the cached tokens through the page table and adds the new token from
-  registers (no program reads a slot another program writes in the same step);
-- it leaves its partial softmax state in a workspace, and the last split of each (request, KV head) to
-  finish (an atomic counter per head) merges the splits' states: no second kernel, one kernel boundary
-  less per layer (the steady 1B batch-1 step 0.846 against 0.854 ms with a merge kernel).
-
-With one split the program writes the output itself. The split count is fixed per captured
-graph (the grid must not change between replays); each program's share of the sequence is computed
-on the device from the request's position, in whole blocks. Scores and the weighted sum accumulate
-in float32 on the CUDA cores (a handful of query heads per KV head gives a tensor core nothing to
-do), and the kernel uses programmatic dependent launch on Hopper like ``models/gemv.py``: ahead of
-``gdc_wait`` they read only what no PDL kernel of the step writes (positions, page table, the layer's
-cached K/V: ARCHITECTURE.md, invariant 13; the new token's slot is read after it).
-"""
+"""Decode attention for one-request CUDA graphs: RoPE, the KV write and split-KV attention in one Triton kernel.
+Scores run on CUDA cores: a few query heads per KV head give a tensor core nothing to do."""
 
 from __future__ import annotations
 
@@ -45,8 +24,6 @@ if triton is not None:
         pages, head, t0, end, plane_stride, HKV: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
-        """One KV head's tokens [t0, t0 + BLOCK_N) below ``end``, through the request's page-table row:
-        the mask, then K's and V's halves ([BLOCK_N, HALF] each, model dtype)."""
         t = t0 + tl.arange(0, BLOCK_N)
         t_ok = t < end
         page = tl.load(pages + t // PAGE, mask=t_ok, other=0).to(tl.int64)
@@ -60,7 +37,6 @@ if triton is not None:
 
     @triton.jit
     def _share(pos, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Tokens per split of a sequence of pos + 1 tokens: whole blocks, the last share holding the new one."""
         return tl.cdiv(tl.cdiv(pos + 1, SPLITS), BLOCK_N) * BLOCK_N
 
     @triton.jit
@@ -78,15 +54,13 @@ if triton is not None:
         g = tl.arange(0, GROUP_P2)
         g_ok = g < GROUP
         dtype = cache_ptr.dtype.element_ty
-        # Before gdc_wait, only what no PDL kernel of this step writes: the position and page table (complete
-        # before the first layer starts) and this layer's cached tokens (written by earlier steps). The first
-        # block of the cached K and V is read here, overlapping the previous kernel's tail.
-        pos = tl.load(pos_ptr + b)  # the new token's position: pos cached tokens come before it
-        share = _share(pos, SPLITS, BLOCK_N)  # this split's tokens of [0, pos]
+        # Before gdc_wait, read only what no PDL kernel of this step writes (ARCHITECTURE.md, invariant 13).
+        pos = tl.load(pos_ptr + b)
+        share = _share(pos, SPLITS, BLOCK_N)
         start = s * share
-        if start > pos:  # a split past the sequence: nothing to read, wait for or write (the merge skips it)
+        if start > pos:  # past the sequence; the merge skips it
             return
-        end = tl.minimum(start + share, pos)  # cached tokens only
+        end = tl.minimum(start + share, pos)
         pages = table_ptr + tl.load(row_ptr + b).to(tl.int64) * table_stride
         head = cache_ptr + h * D + dims[None, :]
         t_ok, ck1, ck2, cv1, cv2 = _load_block(pages, head, start, end, plane_stride, HKV, HALF, PAGE, BLOCK_N)
@@ -96,7 +70,6 @@ if triton is not None:
             tl.extra.cuda.gdc_wait()  # q, k and v of this step are written from here on
             tl.extra.cuda.gdc_launch_dependents()
 
-        # q heads h * GROUP + g, rotated and rounded as the cache path would hold them, then scaled (log2).
         q = q_ptr + b.to(tl.int64) * q_stride + (h * GROUP + g)[:, None] * D + dims[None, :]
         q1 = tl.load(q, mask=g_ok[:, None], other=0.0).to(tl.float32)
         q2 = tl.load(q + HALF, mask=g_ok[:, None], other=0.0).to(tl.float32)
@@ -121,7 +94,7 @@ if triton is not None:
         acc1 = tl.zeros((GROUP_P2, HALF), tl.float32)
         acc2 = tl.zeros((GROUP_P2, HALF), tl.float32)
         t0 = start
-        while t0 < end:  # a while loop: Triton's interpreter (the CPU tests) cannot range over runtime bounds
+        while t0 < end:  # Triton's interpreter cannot range over runtime bounds
             x = tl.sum(q1[:, None, :] * ck1.to(tl.float32)[None, :, :], axis=2)
             x += tl.sum(q2[:, None, :] * ck2.to(tl.float32)[None, :, :], axis=2)
             x = tl.where(t_ok[None, :], x, float("-inf"))
@@ -132,9 +105,9 @@ if triton is not None:
             acc1 = acc1 * alpha[:, None] + tl.sum(p[:, :, None] * cv1.to(tl.float32)[None, :, :], axis=1)
             acc2 = acc2 * alpha[:, None] + tl.sum(p[:, :, None] * cv2.to(tl.float32)[None, :, :], axis=1)
             m = m_new
-            t0 += BLOCK_N  # the next block (past the share: all masked, nothing read)
+            t0 += BLOCK_N
             t_ok, ck1, ck2, cv1, cv2 = _load_block(pages, head, t0, end, plane_stride, HKV, HALF, PAGE, BLOCK_N)
-        if pos < start + share:  # the share holding the new token, which comes from registers
+        if pos < start + share:  # the new token, from registers
             x = tl.sum(q1 * k1.to(tl.float32)[None, :], axis=1) + tl.sum(q2 * k2.to(tl.float32)[None, :], axis=1)
             m_new = tl.maximum(m, x)
             alpha = tl.exp2(m - m_new)
@@ -148,7 +121,6 @@ if triton is not None:
             tl.store(out, (acc1 / lsum[:, None]).to(dtype), mask=g_ok[:, None])
             tl.store(out + HALF, (acc2 / lsum[:, None]).to(dtype), mask=g_ok[:, None])
         else:
-            # Workspace [requests, HKV, SPLITS, GROUP_P2, D + 2]: the unnormalised sum, the running max, the sum.
             part = part_ptr + (((b * HKV + h) * SPLITS + s) * GROUP_P2 + g).to(tl.int64) * (D + 2)
             tl.store(part[:, None] + dims[None, :], acc1)
             tl.store(part[:, None] + HALF + dims[None, :], acc2)
@@ -162,20 +134,18 @@ if triton is not None:
         part_ptr, out_ptr, b, h, live_splits, HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr,
         GROUP_P2: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
     ):
-        """Combine the first ``live_splits`` partial states of (request b, KV head h) into its output rows.
-        The workspace is read through L2 (``.cg``): other SMs wrote it, and this SM's L1 may hold the
-        previous layer's lines."""
+        """Merge the partial states, read through L2 (``.cg``): this SM's L1 may hold the previous layer's lines."""
         sp = tl.arange(0, SPLITS)[:, None]
         g = tl.arange(0, GROUP_P2)[None, :]
         live = sp < live_splits
-        part = part_ptr + (((b * HKV + h) * SPLITS + sp) * GROUP_P2 + g).to(tl.int64) * (D + 2)  # [SPLITS, G]
+        part = part_ptr + (((b * HKV + h) * SPLITS + sp) * GROUP_P2 + g).to(tl.int64) * (D + 2)
         m = tl.load(part + D, mask=live, other=float("-inf"), cache_modifier=".cg")
         lsum = tl.load(part + D + 1, mask=live, other=0.0, cache_modifier=".cg")
         m_all = tl.max(m, axis=0)
-        w = tl.exp2(m - m_all[None, :])  # splits past the sequence: weight 0
+        w = tl.exp2(m - m_all[None, :])
         denom = tl.sum(w * lsum, axis=0)
         dims = tl.arange(0, D)[None, None, :]
-        acc = tl.load(part[:, :, None] + dims, mask=live[:, :, None], other=0.0, cache_modifier=".cg")  # [S, G, D]
+        acc = tl.load(part[:, :, None] + dims, mask=live[:, :, None], other=0.0, cache_modifier=".cg")
         o = tl.sum(w[:, :, None] * acc, axis=0) / denom[:, None]
         gg = tl.arange(0, GROUP_P2)[:, None]
         out = out_ptr + b.to(tl.int64) * (HQ * D) + (h * GROUP + gg) * D + tl.arange(0, D)[None, :]
@@ -186,38 +156,34 @@ if triton is not None:
         part_ptr, count_ptr, out_ptr, b, h, live_splits, HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr,
         GROUP_P2: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
     ):
-        """Called by every live split of (b, h) after storing its state: the last one to get here merges. The
-        barrier orders all threads' stores before the counting thread's release; the acquire (and _merge's L2
-        reads) makes the other splits' stores visible to the last one."""
+        """The last live split to get here merges. The barrier orders all threads' stores before the release; the
+        acquire and _merge's L2 reads make the other splits' stores visible."""
         tl.debug_barrier()
         count = count_ptr + b * HKV + h
         finished = tl.atomic_add(count, 1, sem="acq_rel")
         if finished == live_splits - 1:
             _merge(part_ptr, out_ptr, b, h, live_splits, HQ, HKV, GROUP, GROUP_P2, D, SPLITS)
-            tl.atomic_xchg(count, 0)  # ready for the next layer (which runs after this kernel ends)
+            tl.atomic_xchg(count, 0)
 
 
 def supports(head_dim: int) -> bool:
-    """Triton is present and the head splits into power-of-two halves (tl.arange's rule)."""
     return triton is not None and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
 def num_splits(batch_size: int, kv_heads: int, group: int, head_dim: int, max_len: int) -> int:
-    """Splits per (request, KV head): enough that a sequence of ``max_len`` tokens is one block per program
-    (every cached K and V then read before ``gdc_wait``), at most 64 and 4096 programs, a power of two."""
+    """Splits per (request, KV head): one block per program, so all cached K and V is read before ``gdc_wait``."""
     want = min(triton.cdiv(max_len, block_tokens(group, head_dim)), 64, max(1, 4096 // (batch_size * kv_heads)))
     return min(64, triton.next_power_of_2(want))
 
 
 def block_tokens(group: int, head_dim: int) -> int:
-    """Tokens per loop step: the [group, tokens, head_dim / 2] products stay within ~4K float32 a program."""
+    """Tokens per loop step, bounding the [group, tokens, head_dim / 2] products' registers."""
     return max(8, min(64, 4096 // (triton.next_power_of_2(group) * head_dim // 2)))
 
 
 def new_workspace(batch_size: int, kv_heads: int, group: int, head_dim: int, splits: int,
                   device: torch.device) -> torch.Tensor:
-    """The partial softmax states of every split, then one finished-splits counter per (request, KV head),
-    zeroed (the last split of each resets its counter, so the zeros hold from one call to the next)."""
+    """Partial softmax states, then zeroed counters that the merging split resets, so they stay zero."""
     states = batch_size * kv_heads * splits * triton.next_power_of_2(group) * (head_dim + 2)
     return torch.zeros(states + batch_size * kv_heads, dtype=torch.float32, device=device)
 
@@ -226,13 +192,7 @@ def split_decode(
     q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, out_loc: torch.Tensor,
     cos_sin: torch.Tensor, page_table: torch.Tensor, cache: torch.Tensor, workspace: torch.Tensor, splits: int,
 ) -> torch.Tensor:
-    """Attention of one new token per request; also rotates it and writes its K and V to the cache.
-
-    ``q``: ``[B, heads, d]`` and ``kv``: ``[B, 2, kv_heads, d]`` before RoPE (rows may be strided, heads and
-    dims dense); ``positions``, ``rows`` (page-table rows) and ``out_loc`` (flat cache slots): ``[B]``;
-    ``cache``: this layer's ``[2, pages, page_size, kv_heads, d]``; ``workspace``: from ``new_workspace``
-    for this batch size and split count (unused with one split). Returns ``[B, heads * d]``.
-    """
+    """Attention of one new token per request, applying RoPE and writing its K and V to the cache."""
     batch, heads, dim = q.shape
     kv_heads = kv.shape[2]
     group = heads // kv_heads

@@ -1,12 +1,4 @@
-"""Reference paged attention in plain PyTorch (CPU and GPU).
-
-Each step gathers every request's cached K/V through the page table into a
-padded ``[B, max_kv_len]`` view and runs masked SDPA; simple and exact, not fast.
-
-Deterministic mode attends one token at a time over exactly its own keys: the same shapes, hence the same
-CPU code path and summation order, whatever else the step holds (the padded view's length depends on the
-longest request, and BLAS splits its work by shape).
-"""
+"""Reference paged attention in plain PyTorch: exact, not fast."""
 
 from __future__ import annotations
 
@@ -25,12 +17,12 @@ from runtime.utils import host_to_device
 
 @dataclass
 class TorchAttnMeta:
-    kv_slots: torch.Tensor  # int64 [B, Lkv]: flat cache slot of each key position
-    mask: torch.Tensor  # bool [B, 1, Lq, Lkv]
-    q_index: torch.Tensor  # int64 [B, Lq]: packed token of each padded query (T = the zero row)
-    out_index: torch.Tensor  # int64 [T]: padded position of each packed token
-    token_request: np.ndarray | None = None  # deterministic mode, [T]: each packed token's request
-    token_kv_len: np.ndarray | None = None  # deterministic mode, [T]: keys it attends (its position + 1)
+    kv_slots: torch.Tensor
+    mask: torch.Tensor
+    q_index: torch.Tensor
+    out_index: torch.Tensor
+    token_request: np.ndarray | None = None
+    token_kv_len: np.ndarray | None = None
 
 
 class TorchAttentionBackend:
@@ -59,8 +51,8 @@ class TorchAttentionBackend:
         q_index_d, out_index_d, rows, starts, q_lens_d, kv_lens_d = dev.split(sizes)
         j = torch.arange(max_kv, device=device)
         slots = self.page_table[rows][:, j // page].long() * page + j % page
-        key_ok = j[None, :] < kv_lens_d[:, None]  # [B, Lkv]
-        query_pos = starts[:, None] + torch.arange(max_q, device=device)[None, :]  # [B, Lq]
+        key_ok = j[None, :] < kv_lens_d[:, None]
+        query_pos = starts[:, None] + torch.arange(max_q, device=device)[None, :]
         causal = j[None, None, :] <= query_pos[:, :, None]
         q_ok = torch.arange(max_q, device=device)[None, :] < q_lens_d[:, None]
         # Padded query rows attend to key 0 only so softmax stays finite; their output is dropped.
@@ -80,8 +72,8 @@ class TorchAttentionBackend:
         kv_heads = kv.shape[2]
         if self.deterministic:
             return self._per_token(q, layer_id, kv_heads)
-        q_pad = torch.cat((q, q.new_zeros(1, heads, dim)))[meta.q_index]  # [B, Lq, H, D]
-        keys = self.kv_cache.k(layer_id).view(-1, kv_heads, dim)[meta.kv_slots]  # [B, Lkv, Hkv, D]
+        q_pad = torch.cat((q, q.new_zeros(1, heads, dim)))[meta.q_index]
+        keys = self.kv_cache.k(layer_id).view(-1, kv_heads, dim)[meta.kv_slots]
         values = self.kv_cache.v(layer_id).view(-1, kv_heads, dim)[meta.kv_slots]
         out = F.scaled_dot_product_attention(
             q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
@@ -90,7 +82,7 @@ class TorchAttentionBackend:
         return out.transpose(1, 2).reshape(-1, heads, dim)[meta.out_index]
 
     def _per_token(self, q: torch.Tensor, layer_id: int, kv_heads: int) -> torch.Tensor:
-        """Each token's attention over its own keys ``[0, position]``, one SDPA call a token."""
+        """One SDPA call a token over exactly its own keys: BLAS splits work by shape."""
         meta = self.meta
         heads, dim = q.shape[1:]
         keys = self.kv_cache.k(layer_id).view(-1, kv_heads, dim)
