@@ -6,6 +6,7 @@ import csv
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -393,8 +394,70 @@ def test_sweep_sbatch_syntax_and_dry_run(tmp_path):
 
 
 @needs_bash
-@pytest.mark.parametrize(("env", "message"), [({"SLURM_ARRAY_TASK_ID": "1"}, "set SWEEP to the sweep file"),
-                                              ({"SWEEP": "s.yaml"}, "not an array task")])
+def test_slurm_flag_prints_the_line_list_prints_and_the_template_runs_it(rows, tmp_path, capsys, monkeypatch):
+    """--slurm validates and submits nothing; its variables are the ones the template reads (DRY_RUN=1 shows what
+    array task 3 would run)."""
+    monkeypatch.chdir(REPO)
+    file = write_sweep(tmp_path / "sweep.yaml", tmp_path / "model", rows, grid={"sampling.temperature": [0.0, 0.5, 0.9]})
+    argv = ["--sweep-file", str(file), "sampling.max_new_tokens=3", "sampling.stop=[a,b]"]
+    assert sweep.main([*argv, "--slurm"]) == 0
+    printed = capsys.readouterr()
+    line = printed.out.strip()
+    assert line == (f"SWEEP={file} OVERRIDES='sampling.max_new_tokens=3 sampling.stop=[a,b]' sbatch --array=1-3 "
+                    "scripts/slurm/sweep.sbatch")
+    assert "3 runs are valid; nothing submitted" in printed.err
+    assert not (tmp_path / "out").exists()
+    assert sweep.main([*argv, "--list"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"as a Slurm array: {line}"
+
+    words = shlex.split(line)
+    at = words.index("sbatch")
+    assert words[at + 1:] == ["--array=1-3", "scripts/slurm/sweep.sbatch"]
+    variables = dict(word.split("=", 1) for word in words[:at])
+    env = _stub_env(tmp_path, DRY_RUN="1", SLURM_ARRAY_TASK_ID="3", SLURM_JOB_ID="7", **variables)
+    dry = subprocess.run([BASH, str(REPO / words[-1])], env=env, capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.endswith(f"launch.py --sweep-file {file} --only-run 3 sampling.max_new_tokens=3 "
+                               "'sampling.stop=[a,b]'\n")
+
+
+def test_slurm_flag_from_another_directory_submits_from_the_repo(rows, tmp_path, capsys, monkeypatch):
+    write_sweep(tmp_path / "sweep.yaml", tmp_path / "model", rows, grid={"sampling.temperature": [0.0, 0.5]})
+    monkeypatch.chdir(tmp_path)
+    assert sweep.main(["--sweep-file", "sweep.yaml", "--nproc-per-node", "2", "--only-run", "2", "--slurm"]) == 0
+    assert capsys.readouterr().out == (f"cd {shlex.quote(str(REPO))} && SWEEP={tmp_path.resolve() / 'sweep.yaml'} "
+                                       "NPROC_PER_NODE=2 sbatch --array=2 scripts/slurm/sweep.sbatch\n")
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--sweep", "sampling.top_k=1,2"], "put --sweep axes in the file's 'grid'"),
+    (["--config", "configs/default.yaml"], "--config files in its 'base'"),
+    (["sampling.stop=[a, b]"], "the template cannot pass a value with whitespace"),
+    (["--nproc-per-node", "0"], "--nproc-per-node must be at least 1"),
+    (["--nproc-per-node", "3", "parallel.tp_size=2"], "parallel.tp_size=2 does not divide the world size 3"),
+    (["--only-run", "4"], "--only-run 4: the sweep has runs 1 to 2"),
+    (["sampling.temprature=0.5"], "unknown config key 'sampling.temprature'"),
+], ids=["axes", "config", "whitespace", "nproc-0", "tp-layout", "only-run", "bad-key"])
+def test_slurm_flag_refuses_what_the_array_tasks_would_not_run(rows, tmp_path, capsys, monkeypatch, extra, message):
+    monkeypatch.chdir(REPO)
+    file = write_sweep(tmp_path / "sweep.yaml", tmp_path / "model", rows, grid={"sampling.temperature": [0.0, 0.5]})
+    assert sweep.main(["--sweep-file", str(file), "--slurm", *extra]) == 2
+    printed = capsys.readouterr()
+    assert message in printed.err and printed.out == ""
+    assert not (tmp_path / "out").exists()
+
+
+def test_slurm_flag_needs_a_sweep_file(tmp_path, capsys):
+    assert sweep.main(["--sweep", "--slurm", f"--out={tmp_path / 'o'}", "sampling.temperature=0,0.5"]) == 2
+    assert "the array tasks read the sweep from a file: use --sweep-file FILE" in capsys.readouterr().err
+
+
+@needs_bash
+@pytest.mark.parametrize(("env", "message"), [
+    ({"SLURM_ARRAY_TASK_ID": "1"}, "set SWEEP to the sweep file"),
+    ({"SWEEP": "s.yaml"}, "not an array task"),
+    ({"SWEEP": "s.yaml", "SLURM_ARRAY_TASK_ID": "1"}, "SLURM_ARRAY_JOB_ID=unset is not a job id"),
+])
 def test_sweep_sbatch_needs_a_sweep_and_an_array(tmp_path, env, message):
     out = subprocess.run([BASH, str(SBATCH)], env=_stub_env(tmp_path, SLURM_JOB_ID="7", **env), capture_output=True,
                          text=True, timeout=60)
@@ -403,7 +466,10 @@ def test_sweep_sbatch_needs_a_sweep_and_an_array(tmp_path, env, message):
 
 @needs_bash
 def test_sweep_sbatch_usr1_drains_then_requeues_the_task(tmp_path):
-    env = _stub_env(tmp_path, SWEEP="s.yaml", SLURM_ARRAY_TASK_ID="2", SLURM_JOB_ID="12", stub_torchrun="1")
+    """The task that runs under the array's own id (12): Slurm reads a bare 12 as every task of the array, so
+    the drain, the state check and the requeue must name the task as 12_2."""
+    env = _stub_env(tmp_path, SWEEP="s.yaml", SLURM_ARRAY_TASK_ID="2", SLURM_ARRAY_JOB_ID="12", SLURM_JOB_ID="12",
+                    stub_torchrun="1")
     proc = subprocess.Popen([BASH, str(SBATCH)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     stubs = Path(env["STUBS"])
     deadline = time.monotonic() + 30
@@ -414,8 +480,11 @@ def test_sweep_sbatch_usr1_drains_then_requeues_the_task(tmp_path):
     output, _ = proc.communicate(timeout=60)
     log = (stubs / "log").read_text()
     assert "launch.py --sweep-file s.yaml --only-run 2" in log
-    assert log.index("scancel --signal=TERM 12") < log.index("drained") < log.index("scontrol requeue 12")
-    assert proc.returncode == 143 and "sweep s.yaml run 2: job 12 attempt 1" in output
+    assert log.index("scancel --signal=TERM 12_2") < log.index("drained") < log.index("scontrol show job 12_2") < \
+        log.index("scontrol requeue 12_2")
+    job_calls = [line for line in log.splitlines() if line.startswith(("scancel", "scontrol show job", "scontrol requeue"))]
+    assert all(line.endswith(" 12_2") for line in job_calls), job_calls
+    assert proc.returncode == 143 and "sweep s.yaml run 2: job 12_2 (id 12) attempt 1" in output
 
 
 @needs_bash
@@ -425,8 +494,8 @@ def test_sweep_sbatch_array_tasks_run_one_run_each_and_the_last_writes_results(m
     """The template with stub srun and the real torchrun_cmd.py, torchrun and launch.py, task by task."""
     file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, grid={"sampling.temperature": [0.0, 0.5]})
     for task in ("2", "1"):
-        env = _stub_env(tmp_path, SWEEP=str(file), SLURM_ARRAY_TASK_ID=task, SLURM_JOB_ID=f"4{task}",
-                        NPROC_PER_NODE="1")
+        env = _stub_env(tmp_path, SWEEP=str(file), SLURM_ARRAY_TASK_ID=task, SLURM_ARRAY_JOB_ID="41",
+                        SLURM_JOB_ID=f"4{task}", NPROC_PER_NODE="1")
         out = subprocess.run([BASH, str(SBATCH)], env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
         assert (tmp_path / "out" / "results.csv").exists() == (task == "1")  # the last task writes the table
@@ -474,21 +543,34 @@ def test_live_slurm_array_runs_a_4_run_sweep(request, tmp_path):
 @pytest.mark.slurm
 @pytest.mark.slow
 @pytest.mark.skipif(not LAUNCH_RUNS_SWEEPS, reason="launch.py does not hand --sweep-file to runtime/frontend/sweep.py")
-@pytest.mark.xfail(strict=False, reason="known bug: warning array task 2 also restarts task 1 (Restarts 1, not 0) on the "
-                   "local cluster; task 2 itself requeues and completes")
 def test_live_slurm_a_preempted_array_task_requeues_and_completes(request, tmp_path):
-    from tests.test_slurm_live import wait_done, wait_for_requeued_run, wait_until, warn_batch
+    """USR1 to one task drains and requeues that task alone: the other runs on, never interrupted nor restarted.
+    The warned task is the one that runs under the array's own id, which Slurm reads as the whole array."""
+    from tests.test_slurm_live import job, wait_done, wait_for_requeued_run, wait_until, warn_batch
 
     env, model = request.getfixturevalue("slurm"), request.getfixturevalue("tiny_model")
     file = _live_sweep(tmp_path, model, [0.0, 0.5], rows_n=16, new_tokens=400)
     array = _submit_array(env, file, 2)
-    run2 = plan_runs(load_sweep_file(file), world_size=None)[1].paths.output
-    wait_until(lambda: run2.exists() and run2.read_text().strip(), 180, "run 2's first row")
-    warn_batch(env, f"{array}_2")  # the time-limit warning to task 2 only
-    wait_for_requeued_run(env, f"{array}_2", 1)
-    assert wait_done(env, f"{array}_2")["JobState"] == "COMPLETED"
-    assert wait_done(env, f"{array}_1")["Restarts"] == "0"
-    assert ids(run2) == list(range(16))  # one row per id across the two attempts
+    tasks = {t: f"{array}_{t}" for t in (1, 2)}
+    wait_until(lambda: all(job(env, name).get("JobState") == "RUNNING" for name in tasks.values()), 180,
+               "both tasks to run")
+    # Once no task is pending, one of them holds the array's own id.
+    warned = next((t for t, name in tasks.items() if job(env, name)["JobId"] == array), None)
+    assert warned is not None, [job(env, name) for name in tasks.values()]
+    other = 3 - warned
+    runs = plan_runs(load_sweep_file(file), world_size=None)
+    output = runs[warned - 1].paths.output
+    wait_until(lambda: output.exists() and output.read_text().strip(), 180, f"run {warned}'s first row")
+    warn_batch(env, tasks[warned])  # the time-limit warning to this task only
+    wait_for_requeued_run(env, tasks[warned], 1)
+    assert wait_done(env, tasks[warned])["JobState"] == "COMPLETED"
+    info = wait_done(env, tasks[other])
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", info
+    assert ids(output) == list(range(16))  # one row per id across the two attempts
     assert [r["status"] for r in results(tmp_path / "out")] == ["done", "done"]
-    log = (tmp_path / f"slurm-{array}_2.out").read_text()
-    assert "attempt 1" in log and "attempt 2" in log and "requeueing job" in log
+    record = runs[other - 1].record()
+    assert record is not None and [a["interrupted"] for a in record["attempts"]] == [False]  # never drained
+    log = (tmp_path / f"slurm-{tasks[warned]}.out").read_text()
+    assert "attempt 1" in log and "attempt 2" in log and f"requeueing job {tasks[warned]}" in log
+    log = (tmp_path / f"slurm-{tasks[other]}.out").read_text()
+    assert "attempt 2" not in log and "got SIG" not in log

@@ -5,6 +5,7 @@
     python launch.py --sweep-file sweep.yaml --list                # the runs, their folders and states
     python launch.py --sweep-file sweep.yaml --collect             # only assemble the results
     python launch.py --sweep-file sweep.yaml --only-run 3          # one run (a Slurm array task)
+    python launch.py --sweep-file sweep.yaml --slurm               # validate; print the sbatch line, submit nothing
     python launch.py --nproc-per-node 4 --sweep-file sweep.yaml    # every run over 4 ranks (DP x TP)
 
 The sweep file's format is in ``runtime/frontend/sweep_plan.py``. Every run's config is validated before
@@ -26,6 +27,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -58,6 +60,8 @@ if TYPE_CHECKING:
     from runtime.frontend.signals import Drain
 
 SWEEP_FLAGS = ("--sweep", "--sweep-file", "--collect")
+REPO = Path(__file__).resolve().parents[2]
+SBATCH_TEMPLATE = "scripts/slurm/sweep.sbatch"  # relative to REPO, where sbatch must be run
 log = logging.getLogger("tpinfer.sweep")
 
 
@@ -94,6 +98,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="overrides with comma-separated values (key=a,b) are grid axes")
     parser.add_argument("--collect", action="store_true", help="only assemble results.csv/.md/.png from the folders")
     parser.add_argument("--list", action="store_true", help="print the runs, their folders and states, and exit")
+    parser.add_argument("--slurm", action="store_true",
+                        help="validate the sweep, print the sbatch command that runs it as a Slurm array "
+                             f"({SBATCH_TEMPLATE}), and exit without submitting")
     parser.add_argument("--only-run", type=int, metavar="N",
                         help="only run N (1-based, as --list numbers them; a Slurm array task's id)")
     parser.add_argument("--out", help="the sweep's folder for --sweep (default: outputs/sweep-<hash of the arguments>)")
@@ -113,7 +120,12 @@ def main(argv: list[str], script: str | None = None, configure_threads: Callable
     if configure_threads is not None:
         configure_threads(args.nproc_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     only_files = args.collect or args.list
-    world = None if only_files else args.nproc_per_node or int(os.environ.get("WORLD_SIZE", "1"))
+    if only_files:
+        world = None
+    elif args.slurm:  # a task's ranks: --nproc-per-node, else one per GPU of the template's header (unknown here)
+        world = args.nproc_per_node if args.nproc_per_node and args.nproc_per_node > 0 else None
+    else:
+        world = args.nproc_per_node or int(os.environ.get("WORLD_SIZE", "1"))
     try:
         sweep = build_sweep(args)
         runs = plan_runs(sweep, world)
@@ -130,7 +142,16 @@ def main(argv: list[str], script: str | None = None, configure_threads: Callable
             print(path)
         return 0
     if args.list:
-        print_plan(sweep, runs, args)
+        print_plan(runs, args)
+        return 0
+    if args.slurm:
+        try:
+            command = slurm_command(args, len(runs))
+        except ConfigError as exc:
+            print(f"error: --slurm: {exc}", file=sys.stderr)
+            return 2
+        print(f"{sweep.source}: {len(runs)} runs are valid; nothing submitted. To submit:", file=sys.stderr)
+        print(command)
         return 0
     if args.nproc_per_node is not None:
         return start_ranks(args, script)
@@ -151,7 +172,8 @@ def build_sweep(args: argparse.Namespace) -> Sweep:
             sweep.overrides += extra.overrides
         return sweep
     if not args.sweep:
-        raise ConfigError("--collect and --list need the sweep: --sweep-file FILE, or --sweep with the same arguments")
+        raise ConfigError("--collect, --list and --slurm need the sweep: --sweep-file FILE, or --sweep with the same "
+                          "arguments")
     return shorthand_sweep(configs, args.overrides, args.out, args.name)
 
 
@@ -181,12 +203,43 @@ def forwarded_args(args: argparse.Namespace) -> list[str]:
     return out + list(args.overrides)
 
 
-def print_plan(sweep: Sweep, runs: list[Run], args: argparse.Namespace) -> None:
+def print_plan(runs: list[Run], args: argparse.Namespace) -> None:
     for run in runs:
         status = (run.record() or {}).get("status", PENDING)
         print(f"{run.index:>3}  {status:<11}  {run.dir}")
-    if args.sweep_file:
-        print(f"as a Slurm array: SWEEP={args.sweep_file} sbatch --array=1-{len(runs)} scripts/slurm/sweep.sbatch")
+    try:
+        print(f"as a Slurm array: {slurm_command(args, len(runs))}")
+    except ConfigError as exc:
+        print(f"not as a Slurm array: {exc}")
+
+
+def slurm_command(args: argparse.Namespace, runs: int) -> str:
+    """The shell line that submits this sweep as a Slurm array (task N runs run N), with the variables
+    sweep.sbatch reads. ConfigError where the template cannot run the sweep as given."""
+    if not args.sweep_file:
+        raise ConfigError("the array tasks read the sweep from a file: use --sweep-file FILE")
+    if args.sweep or args.config:
+        raise ConfigError("the array tasks get only the sweep file and plain key=value overrides: put --sweep axes "
+                          "in the file's 'grid' and --config files in its 'base'")
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
+    for override in args.overrides:
+        if not override or any(c.isspace() for c in override):  # the template splits OVERRIDES on whitespace
+            raise ConfigError(f"override {override!r}: the template cannot pass a value with whitespace; "
+                              "set it in the sweep file's 'overrides'")
+    cwd = Path.cwd()
+    sweep_file = Path(args.sweep_file)
+    here = cwd.resolve() == REPO
+    # The template runs launch.py from the submit directory, and reads SWEEP from there.
+    env = {"SWEEP": str(sweep_file if here or sweep_file.is_absolute() else (cwd / sweep_file).resolve())}
+    if args.overrides:
+        env["OVERRIDES"] = " ".join(args.overrides)
+    if args.nproc_per_node is not None:
+        env["NPROC_PER_NODE"] = str(args.nproc_per_node)
+    array = str(args.only_run) if args.only_run is not None else f"1-{runs}"
+    line = " ".join(f"{key}={shlex.quote(value)}" for key, value in env.items())
+    line += f" sbatch --array={array} {SBATCH_TEMPLATE}"
+    return line if here else f"cd {shlex.quote(str(REPO))} && {line}"
 
 
 # ---- running ---------------------------------------------------------------------------------------------------
