@@ -4,6 +4,8 @@
     python launch.py --config my.yaml cache.page_size=1
     python launch.py --nproc-per-node 3 job.input=rows.jsonl job.output=out.jsonl   # starts torchrun itself
     python launch.py --sweep-file configs/sweeps/example.yaml   # an experiment sweep (runtime/frontend/sweep.py)
+    python launch.py serve server.port=8000             # the OpenAI-compatible server (runtime/frontend/server.py)
+    python launch.py --nproc-per-node 2 serve           # ... on a TP group of 2
     torchrun --nproc-per-node 3 launch.py job.input=rows.jsonl job.output=out.jsonl
     torchrun --nproc-per-node 8 launch.py parallel.tp_size=2 job.input=rows.jsonl job.output=out.jsonl  # DP 4 x TP 2
 
@@ -50,8 +52,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                         help="start N ranks on this node through torchrun's launcher, with our exit codes: 143 "
                              "after a drain, a failed rank's own code, no launcher traceback (parallel/launcher.py)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. cache.page_size=1")
-    return parser.parse_args(argv)
+    parser.add_argument("overrides", nargs="*", help="'serve' (the OpenAI-compatible server), then key=value "
+                                                      "overrides, e.g. cache.page_size=1")
+    args = parser.parse_args(argv)
+    args.serve = bool(args.overrides) and args.overrides[0] == "serve"
+    if args.serve:
+        args.overrides = args.overrides[1:]
+    return args
 
 
 def configure_cpu_threads(local_ranks: int, environ: MutableMapping[str, str] = os.environ) -> None:
@@ -68,39 +75,52 @@ def configure_cpu_threads(local_ranks: int, environ: MutableMapping[str, str] = 
         environ.setdefault("GOMP_SPINCOUNT", str(GOMP_SPINCOUNT))
 
 
-def run_leader(cfg: RuntimeConfig) -> int:
+def run_leader(cfg: RuntimeConfig, serve_http: bool = False) -> int:
+    from parallel.state import get_tp
     from runtime.frontend.llm import LLM
     from runtime.frontend.signals import Drain, install_drain_handlers, restore_default_signals
 
     drain = Drain()
     install_drain_handlers(drain)  # before the (long) model load: a signal then still drains cleanly
+    locked = bool(cfg.job.input) and cfg.job.lock and get_tp().dp_rank == 0
     try:
-        llm = LLM(config=cfg)
-        llm.drain = drain
-        try:
-            return serve_as_own_error(cfg, llm, drain)
-        except BaseException:
-            with contextlib.suppress(Exception):  # a dead peer must not mask the first error
+        with contextlib.ExitStack() as held:
+            if locked:  # a second run on the same output stops here, before it loads the model
+                from runtime.frontend.job import output_lock
+
+                held.enter_context(output_lock(Path(cfg.job.output), cfg.job.lock_wait_s))
+            llm = LLM(config=cfg)
+            llm.drain = drain
+            try:
+                if serve_http:
+                    import asyncio
+
+                    from runtime.frontend.server import run_server
+
+                    return asyncio.run(run_server(llm, cfg.server))
+                return serve_as_own_error(cfg, llm, drain, locked)
+            except BaseException:
+                with contextlib.suppress(Exception):  # a dead peer must not mask the first error
+                    llm.shutdown()
+                raise
+            finally:
                 llm.shutdown()
-            raise
-        finally:
-            llm.shutdown()
     finally:
         restore_default_signals()  # after the job a SIGTERM ends the process as usual
 
 
-def serve_as_own_error(cfg: RuntimeConfig, llm: LLM, drain: Drain) -> int:
+def serve_as_own_error(cfg: RuntimeConfig, llm: LLM, drain: Drain, output_locked: bool = False) -> int:
     """``serve``; a ValueError met while serving is this rank's own (say, replica 1's I/O), not a config
     error every rank shares, so it becomes a RuntimeError that this rank reports itself."""
     try:
-        return serve(cfg, llm, drain)
+        return serve(cfg, llm, drain, output_locked)
     except ValueError as exc:
         if isinstance(exc, ConfigError):
             raise
         raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc
 
 
-def serve(cfg: RuntimeConfig, llm: LLM, drain: Drain) -> int:
+def serve(cfg: RuntimeConfig, llm: LLM, drain: Drain, output_locked: bool = False) -> int:
     """The job (JSONL in, JSONL out) or the configured prompts; returns the exit code."""
     from parallel.state import get_tp
     from runtime.frontend.signals import EXIT_PREEMPTED
@@ -108,7 +128,7 @@ def serve(cfg: RuntimeConfig, llm: LLM, drain: Drain) -> int:
     if cfg.job.input:
         from runtime.frontend.job import run_job
 
-        m = run_job(llm, to_yaml(cfg))
+        m = run_job(llm, to_yaml(cfg), output_locked)
         if get_tp().dp_rank == 0:
             replicas = f" over {m['dp_size']} replicas" if m["dp_size"] > 1 else ""
             print(f"{m['completed']} rows done, {m['errors']} errors, {m['already_done']} done before -> "
@@ -163,10 +183,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
+    if args.serve and cfg.job.input:
+        print("error: 'serve' answers HTTP requests; leave job.input unset (a job runs without 'serve')",
+              file=sys.stderr)
+        return 2
     if args.nproc_per_node is not None:
+        if args.serve and replicas(cfg, args.nproc_per_node) > 1:
+            return serve_needs_one_replica(cfg, args.nproc_per_node)
         configure_cpu_threads(args.nproc_per_node)  # for the ranks; torchrun then prints no OMP_NUM_THREADS banner
         return start_ranks(args)
     configure_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # torchrun sets it for every rank
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.serve and replicas(cfg, world) > 1:
+        return serve_needs_one_replica(cfg, world)
     if bool(cfg.job.input) != bool(cfg.job.output):
         print("error: config keys 'job.input' and 'job.output' must be set together", file=sys.stderr)
         return 2
@@ -175,10 +204,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cfg.job.input:
         from runtime.frontend.job_files import JobPaths
+        from runtime.frontend.job_inputs import open_input, output_format
+        from runtime.sampling_params import SamplingParams
 
-        try:
-            JobPaths.from_config(cfg.job).check_distinct()
-        except ConfigError as exc:
+        try:  # bad input (its kind, its columns, the output's format) fails before the model loads
+            paths = JobPaths.from_config(cfg.job)
+            paths.check_distinct()
+            output_format(paths.output, open_input(paths.input, cfg.job, SamplingParams(**vars(cfg.sampling))))
+        except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
 
@@ -189,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=cfg.logging.level, format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
     try:
         tp = init_distributed(wants_cuda(cfg.engine.device), cfg.parallel.timeout_s, tp_size=cfg.parallel.tp_size)
-        code = run_leader(cfg) if tp.rank == 0 else run_worker(cfg)
+        code = run_leader(cfg, args.serve) if tp.rank == 0 else run_worker(cfg)
         report_peak_memory(tp.global_rank)
     except KeyboardInterrupt:
         print(f"rank {rank}: interrupted (a second Ctrl-C); finished rows are on disk", file=sys.stderr, flush=True)
@@ -212,6 +245,18 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def replicas(cfg: RuntimeConfig, world_size: int) -> int:
+    tp = cfg.parallel.tp_size or world_size
+    return max(1, world_size // tp)
+
+
+def serve_needs_one_replica(cfg: RuntimeConfig, world_size: int) -> int:
+    print(f"error: 'serve' runs one TP group, but parallel.tp_size={cfg.parallel.tp_size} makes "
+          f"{replicas(cfg, world_size)} replicas of {world_size} ranks: use parallel.tp_size=0 (all ranks), or one "
+          "server per replica behind a load balancer", file=sys.stderr)
+    return 2
+
+
 def start_ranks(args: argparse.Namespace) -> int:
     """``--nproc-per-node N``: this process becomes the launcher of N ranks running this script."""
     from parallel.launcher import run_torchrun
@@ -222,8 +267,9 @@ def start_ranks(args: argparse.Namespace) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun for every rank
         print("error: --nproc-per-node starts the ranks itself; under torchrun leave it out", file=sys.stderr)
         return 2
-    script_args = [f"--config={c}" for c in args.config or []] + args.overrides
-    return run_torchrun(args.nproc_per_node, str(Path(__file__).resolve()), script_args)
+    script_args = [f"--config={c}" for c in args.config or []] + (["serve"] if args.serve else []) + args.overrides
+    return run_torchrun(args.nproc_per_node, str(Path(__file__).resolve()), script_args,
+                        stopped_code=0 if args.serve else None)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ def exit_code_of(rank_codes: dict[int, int]) -> int:
     return failed[first] if 0 < failed[first] < 256 else 1
 
 
-def run_torchrun(nproc_per_node: int, script: str, script_args: list[str]) -> int:
+def run_torchrun(nproc_per_node: int, script: str, script_args: list[str], stopped_code: int | None = None) -> int:
+    """``stopped_code``: the exit code after a SIGTERM/SIGINT passed on to the ranks (default 128 + signal: a job
+    drained, resumable); a server is meant to stop, and says 0."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -29,7 +31,7 @@ def run_torchrun(nproc_per_node: int, script: str, script_args: list[str]) -> in
     try:
         run(args)
     except SignalException as exc:
-        code = 128 + int(exc.sigval)
+        code = 128 + int(exc.sigval) if stopped_code is None else stopped_code
         print(f"launcher: stopped by {signal.Signals(exc.sigval).name}; the ranks have exited (exit {code})",
               file=sys.stderr, flush=True)
         return code

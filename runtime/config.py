@@ -137,6 +137,20 @@ class ParallelSection:
 
 
 @dataclass
+class ServerSection:
+    """``python launch.py serve``: the OpenAI-compatible HTTP server on each replica's first rank."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port (the address is printed)
+    api_key: str | None = None  # set: every /v1 request needs "Authorization: Bearer <api_key>"
+    served_model_name: str | None = None  # the model's name in the API (default: the model directory's name)
+    max_queue: int = 1024  # requests waiting for admission beyond this get 503
+    # A stream sends at most one chunk this often; tokens gather meanwhile. Fewer, larger chunks leave the step
+    # loop more of the host (benchmarks/README.md); 0 sends each step's token at once.
+    stream_interval_ms: float = 20.0
+
+
+@dataclass
 class LoggingSection:
     level: str = "INFO"
 
@@ -150,6 +164,7 @@ class RuntimeConfig:
     sampling: SamplingSection = field(default_factory=SamplingSection)
     job: JobSection = field(default_factory=JobSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    server: ServerSection = field(default_factory=ServerSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
 
 
@@ -169,10 +184,10 @@ _CHOICES = {
     "job.format": ("auto", "native", "openai"),
 }
 _POSITIVE = ("model.max_seq_len", "cache.page_size", "scheduler.max_running_requests", "scheduler.max_prefill_tokens",
-             "cache.cpu_memory_bytes", "parallel.timeout_s", "job.row_group_rows")
+             "cache.cpu_memory_bytes", "parallel.timeout_s", "job.row_group_rows", "server.max_queue")
 _NON_NEGATIVE = ("cache.num_pages", "job.drain_timeout_s", "job.fsync_every_s", "job.lock_wait_s",
                  "engine.cuda_graph_max_bs", "engine.cuda_graph_prefill_tokens", "parallel.memory_imbalance_bytes",
-                 "parallel.tp_size")
+                 "parallel.tp_size", "server.stream_interval_ms")
 
 
 def _all_keys(node: Any, prefix: str = "") -> list[str]:
@@ -216,6 +231,8 @@ def _validate(cfg: RuntimeConfig) -> None:
         value = OmegaConf.select(node, key)
         if not value >= 0:  # NaN too
             raise ConfigError(f"config key '{key}'={value} must be >= 0")
+    if not 0 <= cfg.server.port <= 65535:
+        raise ConfigError(f"config key 'server.port'={cfg.server.port} must be in [0, 65535] (0: any free port)")
     if cfg.cache.num_pages == 1:
         raise ConfigError("config key 'cache.num_pages'=1 leaves no page for requests (page 0 is reserved); use >= 2")
     try:

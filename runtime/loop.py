@@ -27,11 +27,12 @@ class DrainRequest(Protocol):
 def run_until_idle(
     scheduler: Scheduler, engine: Engine, outputs: OutputProcessor, overlap: bool, on_finish: Callable[[Req], None],
     on_batch: Callable[[Batch | None], None] | None = None, drain: DrainRequest | None = None, drain_timeout_s: float = 0.0,
-    refill: Callable[[], bool] | None = None,
+    refill: Callable[[], bool] | None = None, on_tokens: Callable[[list[Req]], None] | None = None,
 ) -> bool:
     """Serve until nothing is left; returns False if a drain request cut the run short.
 
-    ``refill`` (jobs) tops up the waiting queue before each decision and says whether more may come.
+    ``refill`` (jobs, the server) tops up the waiting queue before each decision and says whether more may come.
+    ``on_tokens`` (streaming) gets each handled step's requests, after their new tokens are appended.
     """
     last: tuple[Batch, ForwardOutput] | None = None
 
@@ -39,6 +40,8 @@ def run_until_idle(
         for req in outputs.process(*step):
             scheduler.finish(req)
             on_finish(req)
+        if on_tokens is not None:
+            on_tokens(step[0].reqs)
 
     while True:
         more = refill() if refill is not None else False

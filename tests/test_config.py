@@ -376,3 +376,18 @@ def test_a_config_without_architectures_is_not_taken_for_llama():
 def test_out_of_range_values_fail_at_load_naming_the_key(override, named):
     with pytest.raises(ConfigError, match=named):
         load_config([], [override])
+
+
+def test_launch_checks_the_job_input_before_it_loads_the_model(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"id": 1, "prompt": "hi"}\n')
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi"}}\n')
+    table = tmp_path / "rows.parquet"
+    table.write_text("not parquet at all")
+    cases = [(batch, "out.parquet", []), (table, "out.jsonl", []), (rows, "out.jsonl", ["job.columns.keep=[x]"])]
+    for source, output, extra in cases:
+        proc = run_launch(f"job.input={source}", f"job.output={tmp_path / output}", "model.path=/nonexistent/model",
+                          *extra)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith("error: ") and "/nonexistent/model" not in proc.stderr, proc.stderr

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from runtime import LLM
-from runtime.frontend import openai_batch
+from runtime.frontend import openai_api
 from runtime.frontend.job import run_job
 from runtime.frontend.job_files import InputError, read_rows
 from runtime.sampling_params import SamplingParams
@@ -53,7 +53,7 @@ def _line(custom_id: str, url: str, **body: object) -> dict:
 def test_chat_body_maps_to_sampling_params():
     messages = [{"role": "system", "content": "be brief"},
                 {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
-    prompt, sampling, request = openai_batch.parse_body(CHAT, {
+    prompt, sampling, request = openai_api.parse_body(CHAT, {
         "model": "m", "messages": messages, "max_completion_tokens": 9, "temperature": 0.5, "top_p": 0.9, "n": 3,
         "stop": "\n", "seed": 4, "logprobs": True, "top_logprobs": 2, "top_k": 5, "ignore_eos": True,
         "stop_token_ids": [7], "frequency_penalty": 0, "user": "u", "stream": False, "presence_penalty": None,
@@ -62,20 +62,20 @@ def test_chat_body_maps_to_sampling_params():
     assert (sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.n) == (9, 0.5, 0.9, 3)
     assert (sampling.stop, sampling.seed, sampling.logprobs, sampling.top_k) == (["\n"], 4, 2, 5)
     assert sampling.ignore_eos and sampling.stop_token_ids == [7]
-    assert request == openai_batch.Request(CHAT, "m", 2)
-    _, plain, request = openai_batch.parse_body(CHAT, {"messages": messages, "logprobs": True}, DEFAULTS)
+    assert request == openai_api.Request(CHAT, "m", 2)
+    _, plain, request = openai_api.parse_body(CHAT, {"messages": messages, "logprobs": True}, DEFAULTS)
     assert plain.max_new_tokens == 7 and plain.temperature == 0.0 and plain.logprobs == 0  # defaults; k = 0
     assert request.model is None and request.logprobs == 0
-    assert openai_batch.parse_body(CHAT, {"messages": messages}, DEFAULTS)[2].logprobs is None
+    assert openai_api.parse_body(CHAT, {"messages": messages}, DEFAULTS)[2].logprobs is None
 
 
 def test_completion_body_maps_to_sampling_params():
-    prompt, sampling, request = openai_batch.parse_body(COMPLETIONS, {
+    prompt, sampling, request = openai_api.parse_body(COMPLETIONS, {
         "prompt": "Once", "max_tokens": 3, "logprobs": 4, "n": 2, "echo": False, "best_of": 1}, DEFAULTS)
     assert prompt == "Once" and (sampling.max_new_tokens, sampling.logprobs, sampling.n) == (3, 4, 2)
-    assert request == openai_batch.Request(COMPLETIONS, None, 4)
-    assert openai_batch.parse_body(COMPLETIONS, {"prompt": [1, 2, 3]}, DEFAULTS)[0] == [1, 2, 3]
-    assert openai_batch.parse_body(COMPLETIONS, {"prompt": [[1, 2]]}, DEFAULTS)[0] == [1, 2]  # a batch of one
+    assert request == openai_api.Request(COMPLETIONS, None, 4)
+    assert openai_api.parse_body(COMPLETIONS, {"prompt": [1, 2, 3]}, DEFAULTS)[0] == [1, 2, 3]
+    assert openai_api.parse_body(COMPLETIONS, {"prompt": [[1, 2]]}, DEFAULTS)[0] == [1, 2]  # a batch of one
 
 
 @pytest.mark.parametrize(("url", "body", "message"), [
@@ -92,17 +92,17 @@ def test_completion_body_maps_to_sampling_params():
     (COMPLETIONS, {"prompt": "x", "max_tokens": 3, "max_completion_tokens": 4}, "unsupported parameter(s)"),
 ])
 def test_bad_bodies_name_the_parameter(url, body, message):
-    with pytest.raises(openai_batch.RequestError) as raised:
-        openai_batch.parse_body(url, body, DEFAULTS)
+    with pytest.raises(openai_api.RequestError) as raised:
+        openai_api.parse_body(url, body, DEFAULTS)
     assert message in str(raised.value) and raised.value.code == "invalid_request"
 
 
 def test_bad_lines_get_their_own_codes():
-    with pytest.raises(openai_batch.RequestError) as method:
-        openai_batch.parse_line({"method": "GET", "url": CHAT, "body": {}}, DEFAULTS)
+    with pytest.raises(openai_api.RequestError) as method:
+        openai_api.parse_line({"method": "GET", "url": CHAT, "body": {}}, DEFAULTS)
     assert method.value.code == "invalid_method" and "'GET'" in str(method.value)
-    with pytest.raises(openai_batch.RequestError) as url:
-        openai_batch.parse_line({"method": "POST", "url": "/v1/embeddings", "body": {}}, DEFAULTS)
+    with pytest.raises(openai_api.RequestError) as url:
+        openai_api.parse_line({"method": "POST", "url": "/v1/embeddings", "body": {}}, DEFAULTS)
     assert url.value.code == "invalid_url" and "/v1/embeddings" in str(url.value)
 
 
@@ -146,9 +146,9 @@ class Vocab:
 
 
 def test_chat_and_completion_bodies_have_openai_shapes():
-    tokens = openai_batch.TokenText(Vocab())
+    tokens = openai_api.TokenText(Vocab())
     out = _output([_sample(0, " hi there", [5, 6], True), _sample(1, "! you", [7, 8], True)])
-    chat = openai_batch.response_body(openai_batch.Request(CHAT, "my-model", 2), out, tokens, "dir", 123, '"a"')
+    chat = openai_api.response_body(openai_api.Request(CHAT, "my-model", 2), out, tokens, "dir", 123, '"a"')
     assert set(chat) == BODY_KEYS and chat["object"] == "chat.completion" and chat["model"] == "my-model"
     assert chat["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}  # every choice counts
     assert [c["index"] for c in chat["choices"]] == [0, 1]
@@ -161,7 +161,7 @@ def test_chat_and_completion_bodies_have_openai_shapes():
     assert [set(t) for t in first["top_logprobs"]] == [TOP_TOKEN_KEYS] * 2  # k = 2 of the 3 computed
     assert [t["token"] for t in first["top_logprobs"]] == [" hi", " there"]
 
-    text = openai_batch.response_body(openai_batch.Request(COMPLETIONS, None, 1), out, tokens, "dir", 123, '"b"')
+    text = openai_api.response_body(openai_api.Request(COMPLETIONS, None, 1), out, tokens, "dir", 123, '"b"')
     assert set(text) == BODY_KEYS and text["object"] == "text_completion" and text["model"] == "dir"
     choice = text["choices"][1]
     assert set(choice) == COMPLETION_CHOICE_KEYS and choice["text"] == "! you"
@@ -170,7 +170,7 @@ def test_chat_and_completion_bodies_have_openai_shapes():
     assert choice["logprobs"]["top_logprobs"] == [{"!": -0.5}, {" you": -1.0}]
     assert choice["logprobs"]["token_logprobs"] == [-0.5, -1.0]
 
-    no_logprobs = openai_batch.response_body(openai_batch.Request(CHAT, None, None), out, tokens, "d", 1, '"c"')
+    no_logprobs = openai_api.response_body(openai_api.Request(CHAT, None, None), out, tokens, "d", 1, '"c"')
     assert all(c["logprobs"] is None for c in no_logprobs["choices"])
     _validate(chat)
     _validate(text)

@@ -227,3 +227,18 @@ def test_two_runs_of_one_job_at_once(text_model, tmp_path, kind, nproc):
     expected = [f"r{i}" for i in range(60)] if kind == "openai" else list(range(60))
     assert sorted(_ids(out, kind), key=str) == sorted(expected, key=str)  # one row per id
     assert not list(tmp_path.glob("*.lock*"))
+
+
+def test_launch_stops_on_a_held_output_before_it_loads_the_model(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"id": 1, "prompt": "hi"}\n')
+    out = tmp_path / "out.jsonl"
+    with OutputLock(lock_path(out), f"job.output={out}"):
+        # A model path that does not exist: had the model load come first, the error would name it instead.
+        proc = subprocess.run([sys.executable, "launch.py", f"job.input={rows}", f"job.output={out}",
+                               "model.path=/nonexistent/model", "job.lock_wait_s=0", "engine.device=cpu"],
+                              cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    assert f"job.output={out} is in use by another run" in proc.stderr and f"pid {os.getpid()}" in proc.stderr
+    assert "/nonexistent/model" not in proc.stderr
+    assert not out.exists()

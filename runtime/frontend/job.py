@@ -2,7 +2,7 @@
 
 Inputs (``runtime.frontend.job_inputs``): JSONL rows ``{"id", "prompt"}`` or ``{"id", "messages"}`` with an
 optional ``"sampling"`` object (an id is a string or an integer; ``1.0`` is the id ``1``); OpenAI batch lines
-(``runtime.frontend.openai_batch``: their ``custom_id`` is the id, and the output holds OpenAI batch result
+(``runtime.frontend.openai_api``: their ``custom_id`` is the id, and the output holds OpenAI batch result
 lines); or a table (``runtime.frontend.tables``). Outputs: JSONL, appended as rows complete, one whole line
 each (a torn last line from a killed run is cut off on resume; other unreadable lines are skipped with a
 warning); or Parquet (``runtime.frontend.parquet_output``). Rows that cannot be served, for whatever reason,
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from parallel.state import get_tp
-from runtime.frontend import openai_batch
+from runtime.frontend import openai_api
 from runtime.frontend.job_files import (
     JobPaths,
     JobRow,
@@ -62,8 +62,11 @@ WINDOW_ROWS = 8192  # input rows read and planned at a time
 UNKNOWN_REST = 1 << 40  # stands for the rows not read yet in the todo count given to claims
 
 
-def run_job(llm: Any, config_yaml: str) -> dict[str, Any]:
-    """Serve every row not yet done; returns the job's metrics (replica 0 also writes them to the metrics file)."""
+def run_job(llm: Any, config_yaml: str, output_locked: bool = False) -> dict[str, Any]:
+    """Serve every row not yet done; returns the job's metrics (replica 0 also writes them to the metrics file).
+
+    ``output_locked``: the caller holds ``<output>.lock`` already (the launcher takes it before loading the model).
+    """
     job = llm.cfg.job
     paths = JobPaths.from_config(job)
     if not paths.input.exists():
@@ -75,8 +78,8 @@ def run_job(llm: Any, config_yaml: str) -> dict[str, Any]:
     replicas = Replicas(llm.keep_workers_waiting, llm.drain, job.drain_timeout_s)
     with ExitStack() as held:
         if replicas.first:
-            if job.lock:
-                held.enter_context(OutputLock(lock_path(paths.output), f"job.output={paths.output}", job.lock_wait_s))
+            if job.lock and not output_locked:
+                held.enter_context(output_lock(paths.output, job.lock_wait_s))
             recover(paths, out_format, job.row_group_rows, job.lock_wait_s if job.lock else None)
             for stale in part_files(paths.errors):
                 stale.unlink()  # the errors file describes the latest run only
@@ -111,6 +114,11 @@ def run_job(llm: Any, config_yaml: str) -> dict[str, Any]:
             paths.metrics.parent.mkdir(parents=True, exist_ok=True)
             paths.metrics.write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
+
+
+def output_lock(output: Path, wait_s: float) -> OutputLock:
+    """The lock replica 0 holds on ``job.output`` for a whole run."""
+    return OutputLock(lock_path(output), f"job.output={output}", wait_s)
 
 
 def recover(paths: JobPaths, out_format: str, row_group_rows: int, lock_wait_s: float | None) -> None:
@@ -252,7 +260,7 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: Todo, out_format:
     else:
         outputs = JsonlAppender(part_path(paths.output, replicas.index), job.fsync_every_s)
     errors = JsonlAppender(part_path(paths.errors, replicas.index), job.fsync_every_s, mode="w")
-    tokens = openai_batch.TokenText(llm.tokenizer)
+    tokens = openai_api.TokenText(llm.tokenizer)
     model_name = llm.model_dir.name
     counts = {"rows": 0, "errors": 0, "input_tokens": 0, "output_tokens": 0}
     latencies: list[float] = []  # claim to result, per row
@@ -263,8 +271,8 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: Todo, out_format:
     def record_error(row: JobRow, message: str, code: str | None = None) -> None:
         errors.write({"id": row.id, "line": row.line, "key": row.key, "error": message})
         if out_format == "openai":
-            code = code or row.code or openai_batch.engine_error_code(message)
-            outputs.write(openai_batch.error_line(row.id, row.key, code, message))
+            code = code or row.code or openai_api.engine_error_code(message)
+            outputs.write(openai_api.error_line(row.id, row.key, code, message))
         counts["errors"] += 1
         bar.update(replicas.finished() - bar.n)  # every replica's rows (the bar is on replica 0)
 
@@ -274,8 +282,8 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: Todo, out_format:
             record_error(row, output.error)
             return
         if out_format == "openai":
-            body = openai_batch.response_body(row.request, output, tokens, model_name, int(time.time()), row.key)
-            outputs.write(openai_batch.result_line(row.id, row.key, body))
+            body = openai_api.response_body(row.request, output, tokens, model_name, int(time.time()), row.key)
+            outputs.write(openai_api.result_line(row.id, row.key, body))
         else:
             record = result_row(row.id, output)
             if row.keep:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.config import ConfigError
-from runtime.frontend import openai_batch
+from runtime.frontend import openai_api
 from runtime.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class JobRow:
     sampling: SamplingParams | None = None
     error: str | None = None
     code: str | None = None  # OpenAI batch rows: the error's code
-    request: openai_batch.Request | None = None  # OpenAI batch rows: what the response needs
+    request: openai_api.Request | None = None  # OpenAI batch rows: what the response needs
     keep: dict[str, Any] | None = None  # table rows: the values of job.columns.keep
 
     @property
@@ -222,8 +222,8 @@ def _openai_row(obj: Any, line_no: int, defaults: SamplingParams, seen: set[str]
                       code="duplicate_custom_id")
     seen.add(key)
     try:
-        prompt, sampling, request = openai_batch.parse_line(obj, defaults)
-    except openai_batch.RequestError as exc:
+        prompt, sampling, request = openai_api.parse_line(obj, defaults)
+    except openai_api.RequestError as exc:
         return JobRow(line_no, custom_id, error=f"line {line_no}: {exc}", code=exc.code)
     return JobRow(line_no, custom_id, prompt=prompt, sampling=sampling, request=request)
 
@@ -309,7 +309,7 @@ def served_custom_ids(path: Path) -> set[str]:
             obj = json.loads(line)
         except ValueError:
             continue
-        if openai_batch.is_served(obj) and isinstance(obj.get("custom_id"), str):
+        if openai_api.is_served(obj) and isinstance(obj.get("custom_id"), str):
             keys.add(json.dumps(obj["custom_id"]))
     return keys
 
@@ -322,7 +322,7 @@ def drop_error_lines(path: Path) -> int:
 
     def served(line: bytes) -> bool:
         try:
-            return openai_batch.is_served(json.loads(line))
+            return openai_api.is_served(json.loads(line))
         except ValueError:
             return False
 

@@ -69,6 +69,9 @@ class LLM:
         self.engine = Engine.from_config(cfg)
         self.model_dir, self.model_config = self.engine.model_dir, self.engine.model_config
         self.tokenizer = load_tokenizer(self.model_dir)
+        # Stop strings are detected on the step loop with this one. The server gives it an instance of its own:
+        # a fast tokenizer encoding on one thread while another decodes with it fails ("Already borrowed").
+        self.stop_tokenizer = self.tokenizer
         self.eos_ids = eos_token_ids(self.model_dir, self.tokenizer)
         e = self.engine
         self.scheduler = Scheduler(
@@ -133,8 +136,13 @@ class LLM:
         stream = unseeded_key(self.cfg.engine.seed, uid if key is None else key)
         req = Req(uid, ids, params, min(params.max_new_tokens, limit - len(ids)), stream=stream)
         if params.stop:
-            req.detok = IncrementalDetokenizer(self.tokenizer)
+            req.detok = IncrementalDetokenizer(self.stop_tokenizer)
         return req
+
+    def make_requests(self, prompt: Prompt, params: SamplingParams, key: object = None) -> list[Req]:
+        """The request for ``prompt`` and its n - 1 sibling samples, in the order the scheduler takes them."""
+        first = self.make_request(prompt, params, key)
+        return make_sample_group(first, [self._take_uid() for _ in range(params.n - 1)])
 
     def default_sampling(self) -> SamplingParams:
         return SamplingParams(**vars(self.cfg.sampling))
@@ -212,21 +220,9 @@ class LLM:
             submit(new)
             return True
 
-        publish = on_batch
-        if get_tp().size > 1:  # the other ranks run every step rank 0 schedules
-
-            def publish(batch: Batch | None) -> None:
-                send_batch(batch)
-                if on_batch is not None:
-                    on_batch(batch)
-
         stats = self.scheduler.stats
         start, prefilled, cached = time.perf_counter(), stats.prefill_tokens, stats.cached_tokens
-        completed = run_until_idle(
-            self.scheduler, self.engine, self.outputs, self.cfg.scheduler.overlap, results.finished, publish,
-            self.drain, self.cfg.job.drain_timeout_s, refill,
-        )
-        self.interrupted = not completed
+        self.interrupted = not self.step_loop(results.finished, refill, on_batch)
         elapsed = time.perf_counter() - start
         done = results.in_order()
         generated = sum(o.total_completion_tokens for o in done)
@@ -236,6 +232,25 @@ class LLM:
             "prefill_tokens": stats.prefill_tokens - prefilled, "cached_tokens": stats.cached_tokens - cached,
         }
         return done
+
+    def step_loop(
+        self, on_finish: Callable[[Req], None], refill: Callable[[], bool] | None = None,
+        on_batch: Callable[[Batch | None], None] | None = None, on_tokens: Callable[[list[Req]], None] | None = None,
+    ) -> bool:
+        """Run the step loop (``runtime.loop.run_until_idle``) with this replica's TP ranks following; False if a
+        drain cut it short."""
+        publish = on_batch
+        if get_tp().size > 1:  # the other ranks run every step rank 0 schedules
+
+            def publish(batch: Batch | None) -> None:
+                send_batch(batch)
+                if on_batch is not None:
+                    on_batch(batch)
+
+        return run_until_idle(
+            self.scheduler, self.engine, self.outputs, self.cfg.scheduler.overlap, on_finish, publish,
+            self.drain, self.cfg.job.drain_timeout_s, refill, on_tokens,
+        )
 
     def _queue(self, req: Req, position: int) -> None:
         """Queue ``req`` as input ``position``, with its n - 1 sibling samples right behind it."""

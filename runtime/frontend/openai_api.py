@@ -1,7 +1,7 @@
-"""OpenAI request and response shapes: ``/v1/chat/completions`` and ``/v1/completions`` bodies to a prompt and
-SamplingParams, finished requests to ``chat.completion`` / ``text_completion`` bodies, and the lines of an
-OpenAI Batch file (``{"custom_id", "method", "url", "body"}`` in, ``{"id", "custom_id", "response", "error"}``
-out). Nothing here reads files or knows about jobs, so a server can build the same bodies.
+"""OpenAI request and response shapes, for the batch files of jobs and for the server: ``/v1/chat/completions``
+and ``/v1/completions`` bodies to prompts and SamplingParams, finished requests to ``chat.completion`` /
+``text_completion`` bodies and streamed chunks, and the lines of an OpenAI Batch file (``{"custom_id", "method",
+"url", "body"}`` in, ``{"id", "custom_id", "response", "error"}`` out). Nothing here reads files or sockets.
 
 A request that cannot be served becomes a result line with ``"response": null`` and ``"error": {"code",
 "message"}``. Parameters a body leaves out (or sets to null) take the configured ``sampling`` defaults, as a
@@ -34,6 +34,7 @@ _ALLOWED = {
 _NEUTRAL: dict[str, tuple[Any, ...]] = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
                                         "stream": (False,), "logit_bias": ({},), "echo": (False,),
                                         "best_of": (1,), "suffix": ("",)}
+_STREAMING = {"stream", "stream_options"}  # the server's, not a batch line's
 _PASSED = ("temperature", "top_p", "n", "stop", "seed", "top_k", "ignore_eos", "stop_token_ids")
 
 
@@ -52,6 +53,8 @@ class Request:
     url: str  # CHAT or COMPLETIONS
     model: str | None  # echoed when given
     logprobs: int | None  # None: no logprobs; k: the sampled token's and k alternatives per position
+    stream: bool = False  # server: server-sent chunks
+    include_usage: bool = False  # server, streaming: a last chunk with the usage
 
 
 def parse_line(obj: Any, defaults: SamplingParams) -> tuple[Any, SamplingParams, Request]:
@@ -69,8 +72,26 @@ def parse_line(obj: Any, defaults: SamplingParams) -> tuple[Any, SamplingParams,
 
 
 def parse_body(url: str, body: dict[str, Any], defaults: SamplingParams) -> tuple[Any, SamplingParams, Request]:
-    """A request body of ``url`` to (prompt, sampling, request); raises RequestError naming what is wrong."""
+    """A batch line's body of ``url`` to (prompt, sampling, request); raises RequestError naming what is wrong."""
+    prompts, sampling, request = _parse(url, body, defaults, server=False)
+    return prompts[0], sampling, request
+
+
+def parse_request(url: str, body: Any, defaults: SamplingParams) -> tuple[list[Any], SamplingParams, Request]:
+    """A server request's body to (prompts, sampling, request): streaming allowed, and a completion may hold
+    several prompts (their choices come prompt by prompt, ``n`` each)."""
+    if not isinstance(body, dict):
+        raise RequestError("invalid_request", f"the request body must be a JSON object, not {type(body).__name__}")
+    return _parse(url, body, defaults, server=True)
+
+
+def _parse(url: str, body: dict[str, Any], defaults: SamplingParams, server: bool
+           ) -> tuple[list[Any], SamplingParams, Request]:
     body = {k: v for k, v in body.items() if v is not None}  # null means "the default", as in the API
+    stream, include_usage = False, False
+    if server:
+        stream, include_usage = _stream_flags(body)
+        body = {k: v for k, v in body.items() if k not in _STREAMING}
     unknown = sorted(set(body) - _ALLOWED[url] - set(_NEUTRAL))
     if unknown:
         raise RequestError("invalid_request", f"unsupported parameter(s) {unknown} for {url}")
@@ -80,7 +101,7 @@ def parse_body(url: str, body: dict[str, Any], defaults: SamplingParams) -> tupl
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError("invalid_request", f"'model' must be a string, not {model!r}")
-    prompt = _messages(body.get("messages")) if url == CHAT else _prompt(body.get("prompt"))
+    prompts = [_messages(body.get("messages"))] if url == CHAT else _prompts(body.get("prompt"), many=server)
     values = {name: body[name] for name in _PASSED if name in body}
     names = {"max_new_tokens": "max_tokens"}  # ours -> theirs, for error messages
     lengths = {k: body[k] for k in ("max_completion_tokens", "max_tokens") if k in body}
@@ -99,7 +120,22 @@ def parse_body(url: str, body: dict[str, Any], defaults: SamplingParams) -> tupl
         for ours, theirs in names.items():
             message = message.replace(f"sampling parameter {ours}=", f"{theirs}=")
         raise RequestError("invalid_request", message.replace("sampling parameter ", "")) from None
-    return prompt, sampling, Request(url, model, logprobs)
+    return prompts, sampling, Request(url, model, logprobs, stream, include_usage)
+
+
+def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError("invalid_request", f"stream={stream!r} must be true or false")
+    options = body.get("stream_options", {})
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise RequestError("invalid_request", f"stream_options={options!r}: only {{'include_usage': bool}} is supported")
+    if options and not stream:
+        raise RequestError("invalid_request", "stream_options needs stream=true")
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise RequestError("invalid_request", f"stream_options.include_usage={include_usage!r} must be true or false")
+    return stream, include_usage
 
 
 def _logprobs(url: str, body: dict[str, Any]) -> int | None:
@@ -143,19 +179,29 @@ def _messages(value: Any) -> list[dict[str, str]]:
     return messages
 
 
+MAX_PROMPTS = 1024  # prompts in one server request
+
+
+def _prompts(value: Any, many: bool) -> list[str | list[int]]:
+    """The prompt(s): a string, token ids, or (server) a list of either."""
+    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        if len(value) > 1 and not many:
+            raise RequestError("invalid_request", f"'prompt' holds {len(value)} prompts; a batch line takes one "
+                                                  "(a string or a list of token ids): give each its own line")
+        if len(value) > MAX_PROMPTS:
+            raise RequestError("invalid_request", f"'prompt' holds {len(value)} prompts; at most {MAX_PROMPTS}")
+        return [_prompt(p) for p in value]
+    return [_prompt(value)]
+
+
 def _prompt(value: Any) -> str | list[int]:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]  # a batch of one prompt
     if isinstance(value, str):
         if not value:
             raise RequestError("invalid_request", "'prompt' is empty")
         return value
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         return list(value)
-    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
-        raise RequestError("invalid_request", f"'prompt' holds {len(value)} prompts; a batch line takes one "
-                                              "(a string or a list of token ids): give each its own line")
-    raise RequestError("invalid_request", "'prompt' must be a string or a non-empty list of token ids")
+    raise RequestError("invalid_request", "'prompt' must be a string, a non-empty list of token ids, or a list of these")
 
 
 # ---- responses ----------------------------------------------------------------------------------------------
@@ -220,8 +266,8 @@ def _chat_logprobs(entries: list[dict[str, Any]], k: int, tokens: TokenText) -> 
     return {"content": content, "refusal": None}
 
 
-def _completion_logprobs(entries: list[dict[str, Any]], k: int, tokens: TokenText) -> dict[str, Any]:
-    texts, logprobs, tops, offsets, offset = [], [], [], [], 0
+def _completion_logprobs(entries: list[dict[str, Any]], k: int, tokens: TokenText, offset: int = 0) -> dict[str, Any]:
+    texts, logprobs, tops, offsets = [], [], [], []
     for e in entries:
         text = tokens(e["token_id"])[0]
         top = {tokens(int(t))[0]: _logprob(lp) for t, lp in e["top"][:k]}
@@ -254,12 +300,59 @@ def response_body(request: Request, output: Any, tokens: TokenText, model: str, 
         choices.append(choice)
     completion_tokens = sum(s.completion_tokens for s in output.outputs)
     return {
-        "id": ("chatcmpl-" if chat else "cmpl-") + _digest(key),
-        "object": "chat.completion" if chat else "text_completion",
+        "id": _response_id(request, key), "object": "chat.completion" if chat else "text_completion",
         "created": created, "model": request.model or model, "choices": choices,
-        "usage": {"prompt_tokens": output.prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": output.prompt_tokens + completion_tokens},
+        "usage": usage(output.prompt_tokens, completion_tokens),
     }
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _response_id(request: Request, key: str) -> str:
+    return ("chatcmpl-" if request.url == CHAT else "cmpl-") + _digest(key)
+
+
+def chunk(request: Request, key: str, model: str, created: int, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    """A streamed ``chat.completion.chunk`` / ``text_completion`` chunk (``choices`` from ``chunk_choice``)."""
+    body = {"id": _response_id(request, key),
+            "object": "chat.completion.chunk" if request.url == CHAT else "text_completion",
+            "created": created, "model": request.model or model, "choices": choices}
+    if request.include_usage:
+        body["usage"] = None  # only the last chunk carries it
+    return body
+
+
+def chunk_choice(request: Request, index: int, text: str | None, finish_reason: str | None,
+                 entries: list[dict[str, Any]] | None, tokens: TokenText, text_offset: int = 0,
+                 role: bool = False) -> dict[str, Any]:
+    """One choice's piece of a chunk: ``text`` new since the last one, the logprob ``entries`` of its tokens."""
+    logprobs = None
+    if request.logprobs is not None and entries:
+        if request.url == CHAT:
+            logprobs = _chat_logprobs(entries, request.logprobs, tokens)
+        else:
+            logprobs = _completion_logprobs(entries, request.logprobs, tokens, text_offset)
+    if request.url == CHAT:
+        delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def usage_chunk(request: Request, key: str, model: str, created: int, prompt_tokens: int,
+                completion_tokens: int) -> dict[str, Any]:
+    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the usage."""
+    return {**chunk(request, key, model, created, []), "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def error_body(message: str, code: str | None = None, param: str | None = None,
+               kind: str = "invalid_request_error") -> dict[str, Any]:
+    """OpenAI's error response body."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def result_line(custom_id: str, key: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -61,7 +61,11 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def push(self, token: int) -> str:
-        self.ids.append(token)
+        return self.extend([token])
+
+    def extend(self, tokens: list[int]) -> str:
+        """Append ``tokens``; returns the text they completed (two decodes, however many tokens)."""
+        self.ids.extend(tokens)
         before = self._decode(self.ids[self.prefix : self.read])
         after = self._decode(self.ids[self.prefix :])
         if len(after) <= len(before) or after.endswith("\ufffd"):

@@ -76,14 +76,18 @@ class Scheduler:
         return self.pages.cache
 
     # ---- admission --------------------------------------------------------------------------------------
-    def add(self, req: Req) -> None:
-        """Queue a request; raises ValueError (for that request only) if it can never be served."""
+    def check(self, req: Req) -> None:
+        """Raise ValueError if ``req`` can never be served (it reads nothing that changes: any thread may ask)."""
         need = self.pages.pages_for(req)
         if need > self.allocator.num_pages - 1:
             raise ValueError(
                 f"request needs {need} KV pages for {req.prompt_len} prompt + {req.max_new_tokens} new tokens,"
                 f" but the whole cache has {self.allocator.num_pages - 1}"
             )
+
+    def add(self, req: Req) -> None:
+        """Queue a request; raises ValueError (for that request only) if it can never be served."""
+        self.check(req)
         if req.leader is not None and not self._leader_known(req.leader):
             req.leader = None  # sample 0 was never queued (it failed): this sample computes its own prompt
         self.waiting.append(req)
@@ -233,6 +237,19 @@ class Scheduler:
         self._release(req)
         if self.debug_checks:
             self.check_integrity()
+
+    def abort(self, req: Req) -> None:
+        """Drop one request (its client went away): out of the queue, or its row and pages back now (a step in
+        flight that still writes them runs before any later admission's, on the same stream)."""
+        if req.finish_reason is not None:
+            return
+        req.finish_reason = "abort"
+        if req.table_idx >= 0:
+            self._release(req)
+            if req in self.prefilling:
+                self.prefilling.remove(req)  # the running list drops finished requests at the next schedule()
+        elif req in self.waiting:
+            self.waiting.remove(req)
 
     def abort_all(self) -> list[Req]:
         """Drop every unfinished request (an interrupted run); their resources come back."""

@@ -1,0 +1,341 @@
+"""The OpenAI-compatible HTTP server: ``python launch.py serve`` (rank 0 of a replica; its TP ranks follow).
+
+aiohttp: one well-kept package with a C HTTP parser, streaming responses for server-sent events, and a
+lifecycle we own (``AppRunner``: no signal handlers of its own, so SIGTERM drains as it does for jobs).
+Request and response bodies are ``openai_api``'s, the same as an OpenAI batch job's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any
+
+from aiohttp import web
+
+from runtime.config import ServerSection
+from runtime.frontend import openai_api as api
+from runtime.frontend.llm import LLM
+from runtime.frontend.metrics import Metrics
+from runtime.frontend.results import RequestOutput
+from runtime.frontend.serving import Call, Serving
+from runtime.frontend.tokenizer import IncrementalDetokenizer, load_tokenizer
+from runtime.output import SampleOutput
+
+DISCONNECT_POLL_S = 1.0  # a waiting request checks this often whether its client is still there
+HANDLER_GRACE_S = 5.0  # at shutdown, in-flight responses get this long to send their last bytes
+log = logging.getLogger("tpinfer.server")
+
+
+@dataclass
+class ServerState:
+    llm: LLM
+    serving: Serving
+    cfg: ServerSection
+    model: str
+    tokens: api.TokenText
+    metrics: Metrics
+    accepting: bool = True
+
+
+STATE = web.AppKey("state", ServerState)
+
+
+def _error(status: int, message: str, code: str | None = None, param: str | None = None) -> web.Response:
+    kind = {401: "authentication_error", 404: "not_found_error", 503: "service_unavailable"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error")
+    return web.json_response(api.error_body(message, code, param, kind), status=status)
+
+
+@web.middleware
+async def _errors_and_auth(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every error in OpenAI's shape; with ``server.api_key`` set, ``/v1/`` needs ``Authorization: Bearer <key>``."""
+    key = request.app[STATE].cfg.api_key
+    if key and request.path.startswith("/v1/"):
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return _error(401, "invalid or missing API key (Authorization: Bearer <key>)", "invalid_api_key")
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(exc.status, f"{exc.reason}: {request.method} {request.path}")
+    except Exception:  # a bug must cost one request, never the server
+        log.exception("request %s %s failed", request.method, request.path)
+        return _error(500, "internal server error (logged on the server)", "internal_error")
+
+
+def build_app(state: ServerState) -> web.Application:
+    app = web.Application(middlewares=[_errors_and_auth], client_max_size=64 << 20)
+    app[STATE] = state
+    app.router.add_get("/v1/models", _models)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    return app
+
+
+# ---- endpoints ----------------------------------------------------------------------------------------------
+async def _models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response({"object": "list", "data": [
+        {"id": state.model, "object": "model", "created": int(state.metrics.started), "owned_by": "tpinfer",
+         "max_model_len": state.llm.engine.max_seq_len}]})
+
+
+async def _health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if not state.serving.alive or not state.accepting:
+        return web.Response(status=503, text="draining\n" if state.serving.alive else "step loop stopped\n")
+    return web.Response(text="ok\n")
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body, content_type = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, api.COMPLETIONS)
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, api.CHAT)
+
+
+async def _complete(request: web.Request, url: str) -> web.StreamResponse:
+    state = request.app[STATE]
+    if not state.accepting:
+        return _error(503, "the server is shutting down", "unavailable")
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return _error(400, f"the request body is not valid JSON: {exc}", "invalid_json")
+    try:
+        prompts, sampling, spec = api.parse_request(url, body, state.llm.default_sampling())
+        if spec.model is not None and spec.model != state.model:
+            return _error(404, f"the model {spec.model!r} does not exist; this server serves {state.model!r}",
+                          "model_not_found", "model")
+        reqs, prompt_tokens = [], 0
+        for prompt in prompts:
+            group = state.llm.make_requests(prompt, sampling)
+            state.llm.scheduler.check(group[0])
+            reqs += group
+            prompt_tokens += group[0].prompt_len
+    except api.RequestError as exc:
+        return _error(400, str(exc), exc.code)
+    except ValueError as exc:
+        return _error(400, str(exc), api.engine_error_code(str(exc)))
+    except Exception as exc:  # noqa: BLE001 - a chat template's own error, say
+        return _error(400, f"{type(exc).__name__}: {exc}", "invalid_request")
+    if state.serving.queued >= state.cfg.max_queue:
+        state.metrics.rejected.labels("queue_full").inc()
+        return _error(503, f"{state.serving.queued} requests are waiting (server.max_queue={state.cfg.max_queue}):"
+                           " retry later", "queue_full")
+    call = Call(reqs, prompt_tokens, spec.stream, asyncio.get_running_loop())
+    state.serving.submit(call)
+    key, created = uuid.uuid4().hex, int(time.time())
+    if spec.stream:
+        return await _stream(request, state, call, spec, key, created)
+    if not await _wait(request, state, call):
+        return web.Response(status=499)  # nobody reads it
+    if call.cut:
+        return _error(503, "the request was cut short: the server is shutting down", "unavailable")
+    samples = [replace(SampleOutput.from_req(r, _final_text(state.llm, r)), sample_index=i)
+               for i, r in enumerate(call.reqs)]
+    output = RequestOutput(index=0, prompt_tokens=prompt_tokens, outputs=samples)
+    return web.json_response(api.response_body(spec, output, state.tokens, state.model, created, key),
+                             dumps=_dumps)
+
+
+# ---- waiting and streaming ----------------------------------------------------------------------------------
+def _gone(request: web.Request) -> bool:
+    return request.transport is None or request.transport.is_closing()
+
+
+async def _wait(request: web.Request, state: ServerState, call: Call) -> bool:
+    """Until the call is finished (True) or its client has gone (False: the call is aborted)."""
+    while not call.finished:
+        try:
+            await asyncio.wait_for(call.changed.wait(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            if _gone(request):
+                state.serving.abort(call)
+                return False
+        call.changed.clear()
+    return True
+
+
+def _final_text(llm: LLM, req: Any) -> str:
+    return req.text if req.text is not None else llm._decode(req.output_ids)
+
+
+def visible_end(text: str, start: int, stops: list[str]) -> int:
+    """How much of ``text`` may be sent: not a stop string, nor a tail that may be the start of one."""
+    end = len(text)
+    for stop in stops:
+        at = text.find(stop, max(0, start - len(stop) + 1))
+        if at != -1:
+            end = min(end, at)
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:k]):
+                end = min(end, len(text) - k)
+                break
+    return max(end, start)
+
+
+class _ChoiceStream:
+    """One choice's progress through a stream: tokens, text and logprob entries sent so far."""
+
+    def __init__(self, llm: LLM, req: Any) -> None:
+        self.llm, self.req = llm, req
+        self.detok = IncrementalDetokenizer(llm.tokenizer) if llm.tokenizer is not None else None
+        self.tokens_sent = 0
+        self.chars_sent = 0
+        self.done = False
+
+    def advance(self) -> tuple[str, list[Any] | None, str | None, int, int]:
+        """(new text, logprob entries of the new tokens, finish reason or None, the text's offset, new tokens)."""
+        req = self.req
+        reason = req.finish_reason  # read first: once it is set, every token is there
+        count = len(req.output_ids)
+        new = req.output_ids[self.tokens_sent : count]
+        entries = req.output_logprobs[self.tokens_sent : count] if req.output_logprobs is not None else None
+        self.tokens_sent = count
+        if reason is not None:
+            self.done = True
+            text = _final_text(self.llm, req)[self.chars_sent :]
+        elif self.detok is not None and new:
+            self.detok.extend(new)
+            full = self.detok.text
+            text = full[self.chars_sent : visible_end(full, self.chars_sent, req.sampling.stop)]
+        else:
+            text = ""
+        offset = self.chars_sent
+        self.chars_sent += len(text)
+        return text, entries, reason, offset, len(new)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _event(obj: Any) -> bytes:
+    return b"data: " + _dumps(obj).encode() + b"\n\n"
+
+
+_MARK = "\x00text\x00"
+
+
+def _text_chunk_template(spec: api.Request, key: str, model: str, created: int, index: int) -> tuple[bytes, bytes]:
+    """The bytes of choice ``index``'s chunk around its text, built once a stream: most chunks only splice a
+    text in, and the step loop needs the host more than a JSON encoder does."""
+    piece = api.chunk_choice(spec, index, _MARK, None, None, None)
+    head, tail = _event(api.chunk(spec, key, model, created, [piece])).split(_dumps(_MARK).encode())
+    return head, tail
+
+
+async def _stream(request: web.Request, state: ServerState, call: Call, spec: api.Request, key: str,
+                  created: int) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    choices = [_ChoiceStream(state.llm, r) for r in call.reqs]
+    interval = state.cfg.stream_interval_ms / 1000
+    plain = [_text_chunk_template(spec, key, state.model, created, i) for i in range(len(choices))]
+    try:
+        await response.prepare(request)
+        if spec.url == api.CHAT:  # the role comes first, as OpenAI sends it
+            first = [api.chunk_choice(spec, i, "", None, None, state.tokens, role=True) for i in range(len(choices))]
+            await response.write(_event(api.chunk(spec, key, state.model, created, first)))
+        while True:
+            if not await _wait_changed(request, state, call):
+                return response
+            out = bytearray()
+            for i, choice in enumerate(choices):
+                if choice.done:
+                    continue
+                text, entries, reason, offset, new = choice.advance()
+                if reason is None and not entries and new:  # the common chunk: only its text is new
+                    head, tail = plain[i]
+                    out += head + _dumps(text).encode() + tail
+                elif new or reason:  # a chunk per batch of tokens, even one whose text is held back
+                    piece = api.chunk_choice(spec, i, text, reason, entries, state.tokens, offset)
+                    out += _event(api.chunk(spec, key, state.model, created, [piece]))
+            if out:
+                await response.write(bytes(out))
+            if all(c.done for c in choices):
+                break
+            if interval > 0:
+                await asyncio.sleep(interval)  # tokens gather meanwhile: fewer, larger chunks
+        if spec.include_usage:
+            completion = sum(len(r.output_ids) for r in call.reqs)
+            await response.write(_event(api.usage_chunk(spec, key, state.model, created, call.prompt_tokens,
+                                                        completion)))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionError:
+        state.serving.abort(call)  # the client went away: its pages come back at the next step
+    except asyncio.CancelledError:
+        state.serving.abort(call)
+        raise
+    return response
+
+
+async def _wait_changed(request: web.Request, state: ServerState, call: Call) -> bool:
+    """Until the call has news (True) or its client has gone (False: the call is aborted)."""
+    while not call.changed.is_set():
+        try:
+            await asyncio.wait_for(call.changed.wait(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            if _gone(request):
+                state.serving.abort(call)
+                return False
+    call.changed.clear()
+    return True
+
+
+# ---- running it ---------------------------------------------------------------------------------------------
+def served_model_name(llm: LLM, cfg: ServerSection) -> str:
+    return cfg.served_model_name or llm.model_dir.name
+
+
+async def run_server(llm: LLM, cfg: ServerSection) -> int:
+    """Serve until SIGTERM/SIGINT (``llm.drain``) or a failed step loop; returns the exit code."""
+    llm.stop_tokenizer = load_tokenizer(llm.model_dir)  # the step loop's own instance (see LLM.stop_tokenizer)
+    metrics = Metrics(llm)
+    serving = Serving(llm, metrics.observer())
+    metrics.watch(serving)
+    state = ServerState(llm, serving, cfg, served_model_name(llm, cfg), api.TokenText(llm.tokenizer), metrics)
+    runner = web.AppRunner(build_app(state), access_log=None, handle_signals=False,
+                           shutdown_timeout=HANDLER_GRACE_S)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise RuntimeError(f"cannot listen on {cfg.host}:{cfg.port} (server.host, server.port): {exc}") from None
+    host, port = runner.addresses[0][:2]
+    serving.start()
+    print(f"serving {state.model!r} on http://{host}:{port}/v1 (OpenAI API; /health, /metrics)", flush=True)
+    try:
+        while serving.alive:
+            if state.accepting and llm.drain is not None and llm.drain.requested:
+                state.accepting = False  # new requests get 503; the step loop finishes or cuts what runs
+                log.warning("draining: in-flight requests finish within job.drain_timeout_s=%s",
+                            llm.cfg.job.drain_timeout_s)
+            await asyncio.sleep(0.1)
+        state.accepting = False
+        await asyncio.sleep(0)  # let the handlers the loop woke last send their answers
+    finally:
+        serving.stop()
+        await runner.cleanup()
+    if serving.error is not None:
+        raise RuntimeError(f"the step loop failed: {type(serving.error).__name__}: {serving.error}")
+    return 0

@@ -1,0 +1,285 @@
+"""The OpenAI-compatible server: the real `launch.py serve` as a subprocess, driven by the official `openai` client.
+
+Greedy texts are compared with `LLM.generate` on the same prompts; both run with engine.deterministic, so a
+prompt's tokens do not depend on which other requests share its batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from runtime.frontend.openai_api import RequestError, parse_request
+from runtime.frontend.server import visible_end
+from runtime.sampling_params import SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+KEY = "test-key"
+COMMON = ["engine.device=cpu", "engine.deterministic=true", "server.port=0", "job.drain_timeout_s=4"]
+PROMPTS = [f"Write one sentence about the number {i}." for i in range(32)]
+
+
+def start_server(*overrides: str, nproc: int | None = None) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, str(REPO / "launch.py")]
+    if nproc:
+        cmd += ["--nproc-per-node", str(nproc)]
+    cmd += ["serve", *COMMON, *overrides]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + 300
+    lines = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError("the server exited before serving:\n" + "".join(lines))
+        lines.append(line)
+        found = re.search(r"on (http://[\d.]+:\d+)/v1", line)
+        if found:
+            return proc, found.group(1)
+    proc.kill()
+    raise AssertionError("the server did not start:\n" + "".join(lines))
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, float, str]:
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, time.monotonic() - start, out
+
+
+def metrics(base: str) -> dict[str, float]:
+    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(tpinfer_\w+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, base = start_server(f"server.api_key={KEY}", "server.served_model_name=smol")
+    yield base
+    code, _, out = stop_server(proc)
+    assert code == 0, out
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from runtime import LLM
+
+    engine = LLM(overrides=["engine.device=cpu", "engine.deterministic=true"])
+    yield engine
+    engine.shutdown()
+
+
+def greedy(max_tokens: int, **extra) -> dict:
+    return {"temperature": 0, "max_tokens": max_tokens, **extra}
+
+
+# ---- pure functions ---------------------------------------------------------------------------------------------
+def test_visible_end_holds_back_what_may_start_a_stop_string():
+    assert visible_end("Hello wor", 0, ["world"]) == 6  # "wor" may become "world"
+    assert visible_end("Hello world!", 0, ["world"]) == 6  # a whole stop string is never sent
+    assert visible_end("Hello", 0, ["xyz"]) == 5
+    assert visible_end("Hello w", 3, ["w", "lo w"]) == 3  # never before what was already sent
+    assert visible_end("abc", 0, []) == 3
+
+
+def test_server_requests_parse_streaming_and_several_prompts_and_refuse_bad_ones():
+    defaults = SamplingParams(temperature=0.0, max_new_tokens=8)
+    prompts, sampling, spec = parse_request("/v1/completions", {"prompt": ["a", [1, 2]], "stream": True,
+                                                                "stream_options": {"include_usage": True}}, defaults)
+    assert prompts == ["a", [1, 2]] and spec.stream and spec.include_usage and sampling.max_new_tokens == 8
+    for body, message in [({"prompt": "a", "stream": "yes"}, "stream="),
+                          ({"prompt": "a", "stream_options": {"include_usage": True}}, "needs stream=true"),
+                          ({"prompt": "a", "frequency_penalty": 0.5}, "frequency_penalty"),
+                          ([1, 2], "JSON object")]:
+        with pytest.raises(RequestError, match=message):
+            parse_request("/v1/completions", body, defaults)
+
+
+# ---- the server -------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_models_health_and_auth(server, client):
+    assert [m.id for m in client.models.list().data] == ["smol"]
+    assert urllib.request.urlopen(server + "/health", timeout=10).status == 200
+    openai = pytest.importorskip("openai")
+    wrong = openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as caught:
+        wrong.models.list()
+    assert caught.value.status_code == 401 and caught.value.body["code"] == "invalid_api_key"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="other", prompt="Hi", max_tokens=2)
+
+
+@pytest.mark.slow
+def test_chat_and_completion_stream_and_not_equal_generate(client, llm):
+    question = [{"role": "user", "content": "What is 2+2?"}]
+    ref_chat = llm.chat(question, SamplingParams(temperature=0, max_new_tokens=24))[0]
+    ref_text = llm.generate("The capital of France is", SamplingParams(temperature=0, max_new_tokens=24))[0]
+
+    chat = client.chat.completions.create(model="smol", messages=question, **greedy(24))
+    assert chat.object == "chat.completion" and chat.choices[0].message.content == ref_chat.text
+    assert chat.choices[0].finish_reason == ref_chat.finish_reason
+    assert chat.usage.prompt_tokens == ref_chat.prompt_tokens
+    assert chat.usage.completion_tokens == ref_chat.completion_tokens
+
+    done = client.completions.create(model="smol", prompt="The capital of France is", **greedy(24))
+    assert done.object == "text_completion" and done.choices[0].text == ref_text.text
+
+    pieces, roles, finish, usage = [], [], None, None
+    for chunk in client.chat.completions.create(model="smol", messages=question, stream=True,
+                                                stream_options={"include_usage": True}, **greedy(24)):
+        assert chunk.object == "chat.completion.chunk"
+        if not chunk.choices:
+            usage = chunk.usage
+            continue
+        delta = chunk.choices[0].delta
+        roles += [delta.role] if delta.role else []
+        pieces.append(delta.content or "")
+        finish = chunk.choices[0].finish_reason or finish
+    assert roles == ["assistant"] and "".join(pieces) == ref_chat.text and finish == ref_chat.finish_reason
+    assert usage.completion_tokens == ref_chat.completion_tokens and usage.prompt_tokens == ref_chat.prompt_tokens
+    assert len([p for p in pieces if p]) > 1  # streamed, not one piece at the end
+
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="smol", prompt="The capital of France is", stream=True, **greedy(24)) if c.choices)
+    assert streamed == ref_text.text
+
+
+@pytest.mark.slow
+def test_n_logprobs_stop_and_seed(client, llm):
+    out = client.completions.create(model="smol", prompt=["Once upon a time", "Roses are red,"], n=2, logprobs=3,
+                                    temperature=0.8, max_tokens=12, seed=7)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    for choice in out.choices:
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) > 0
+        assert "".join(lp.tokens) == choice.text
+        assert all(len(top) >= 3 and all(v <= 0 for v in top.values()) for top in lp.top_logprobs)
+    again = client.completions.create(model="smol", prompt=["Once upon a time", "Roses are red,"], n=2,
+                                      temperature=0.8, max_tokens=12, seed=7)
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]  # same seed, same texts
+    assert out.choices[0].text != out.choices[1].text  # the two samples of one prompt differ
+
+    chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Say hello."}],
+                                          logprobs=True, top_logprobs=2, **greedy(10))
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
+    assert content[0].token == content[0].top_logprobs[0].token  # greedy: the most likely token
+
+    full = client.completions.create(model="smol", prompt="One, two, three, four,", **greedy(16)).choices[0].text
+    stop = full.strip().split()[1]  # a word the greedy continuation reaches
+    cut = client.completions.create(model="smol", prompt="One, two, three, four,", stop=[stop], **greedy(16))
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == full[: full.index(stop)]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="smol", prompt="One, two, three, four,", stop=[stop], stream=True, **greedy(16)) if c.choices)
+    assert streamed == cut.choices[0].text and stop not in streamed  # no partial stop string leaked
+
+
+@pytest.mark.slow
+def test_bad_bodies_get_400_in_openais_shape_and_the_server_stays_up(server, client):
+    def post(body: bytes, path: str = "/v1/chat/completions") -> tuple[int, dict]:
+        request = urllib.request.Request(server + path, data=body, method="POST", headers={
+            "Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    cases = [b"{not json", b'{"messages": "hi"}', b'{"messages": [{"role": "user", "content": "x"}], "n": 0}',
+             b'{"messages": [{"role": "user", "content": "x"}], "tools": []}', b"[1, 2]",
+             json.dumps({"messages": [{"role": "user", "content": "word " * 5000}]}).encode()]
+    for body in cases:
+        status, answer = post(body)
+        assert status == 400, (body[:60], answer)
+        assert set(answer["error"]) == {"message", "type", "param", "code"} and answer["error"]["message"]
+    assert post(b'{"prompt": "x"}', "/v1/nowhere")[0] == 404
+    ok = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], **greedy(4))
+    assert ok.choices[0].message.content is not None
+
+
+@pytest.mark.slow
+def test_32_concurrent_streams_complete_with_generates_texts(server, llm):
+    openai = pytest.importorskip("openai")
+    refs = [o.text for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=16))]
+
+    async def one(client, prompt: str) -> str:
+        stream = await client.completions.create(model="smol", prompt=prompt, stream=True, **greedy(16))
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def run_all() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0) as client:
+            return await asyncio.gather(*(one(client, p) for p in PROMPTS))
+
+    assert asyncio.run(run_all()) == refs
+
+
+@pytest.mark.slow
+def test_a_client_that_leaves_mid_stream_gives_its_pages_back(server, client):
+    stream = client.completions.create(model="smol", prompt="Tell me a long story.", stream=True, max_tokens=3000,
+                                       extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 5:
+            break
+    assert metrics(server)["tpinfer_kv_pages_in_use"] > 0  # still decoding, holding its pages
+    stream.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        now = metrics(server)
+        if now["tpinfer_kv_pages_in_use"] == 0 and now["tpinfer_requests_running"] == 0:
+            break
+        time.sleep(0.2)
+    assert now["tpinfer_kv_pages_in_use"] == 0 and now["tpinfer_requests_running"] == 0
+    assert now['tpinfer_requests_total{outcome="aborted"}'] >= 1
+
+
+@pytest.mark.slow
+def test_sigterm_with_requests_in_flight_exits_0_within_the_drain_timeout():
+    openai = pytest.importorskip("openai")
+    proc, base = start_server()
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+    streams = [client.completions.create(model=client.models.list().data[0].id,
+                                         prompt=f"Story {i}:", stream=True, max_tokens=3000,
+                                         extra_body={"ignore_eos": True}) for i in range(3)]
+    for stream in streams:
+        next(iter(stream))  # each is running
+    code, seconds, out = stop_server(proc)
+    assert code == 0, out
+    assert seconds < 4 + 10, out  # the drain timeout, plus the exit
+    reasons = []
+    for stream in streams:
+        reasons += [c.choices[0].finish_reason for c in stream if c.choices and c.choices[0].finish_reason]
+    assert reasons == ["abort"] * 3  # cut at the timeout, and told so
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(base + "/health", timeout=5)  # the port is closed
+
+
+@pytest.mark.slow
+def test_tp3_server_on_gloo_gives_tp1s_greedy_texts(llm):
+    openai = pytest.importorskip("openai")
+    refs = [o.text for o in llm.generate(PROMPTS[:6], SamplingParams(temperature=0, max_new_tokens=16))]
+    proc, base = start_server(nproc=3)
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        texts = [client.completions.create(model=model, prompt=p, **greedy(16)).choices[0].text for p in PROMPTS[:6]]
+    finally:
+        code, seconds, out = stop_server(proc)
+    assert texts == refs
+    assert code == 0 and seconds < 30, out
