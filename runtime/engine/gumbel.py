@@ -14,6 +14,7 @@ except ImportError:  # CPU-only installs sample with the torch reference (runtim
     triton = None
 
 BLOCK = 4096
+FAST_LOG = os.environ.get("TRITON_INTERPRET") != "1"  # the interpreter has no approximate log2
 
 if triton is not None:
     from triton.language.extra.cuda import libdevice
@@ -130,14 +131,13 @@ def sample(
     block_max = torch.empty(rows, blocks, dtype=torch.float32, device=dev)
     block_sum = torch.empty(rows, blocks, dtype=torch.float32, device=dev)
     out = torch.empty(rows, dtype=torch.int32, device=dev)
-    fast_log = os.environ.get("TRITON_INTERPRET") != "1"
     _block_pass[(rows, blocks)](
         logits, logits.stride(0), temperatures, thresholds, seeds, positions, best, best_idx, block_max, block_sum,
-        vocab, blocks, BLOCK=BLOCK, FAST_LOG=fast_log, num_warps=4,
+        vocab, blocks, BLOCK=BLOCK, FAST_LOG=FAST_LOG, num_warps=4,
     )
     _finish[(rows,)](
         logits, logits.stride(0), temperatures, thresholds, top_p, seeds, positions, best, best_idx, block_max,
-        block_sum, out, vocab, blocks, BLOCKS_P2=triton.next_power_of_2(blocks), BLOCK=BLOCK, FAST_LOG=fast_log,
+        block_sum, out, vocab, blocks, BLOCKS_P2=triton.next_power_of_2(blocks), BLOCK=BLOCK, FAST_LOG=FAST_LOG,
         num_warps=8,
     )
     return out

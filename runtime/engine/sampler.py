@@ -18,11 +18,12 @@ _MASK32 = 0xFFFFFFFF
 @dataclass
 class SamplingArgs:
     temperatures: torch.Tensor | None  # None: the whole batch is greedy
-    top_p: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None  # None: no row restricts (the torch path then skips the sort)
     top_k: torch.Tensor | None = None
     max_k: int = 0  # known on the host, so no device sync asks
     seeds: torch.Tensor | None = None
     positions: torch.Tensor | None = None
+    top_p_values: torch.Tensor | None = None  # every row's top-p, 1.0 where unused (the kernels read it always)
 
 
 def _lowbias32(x: torch.Tensor) -> torch.Tensor:
@@ -94,6 +95,7 @@ class Sampler:
             from runtime.engine import gumbel
 
             self.kernels = gumbel if gumbel.triton is not None else None
+        self._no_thresholds = torch.empty(0)  # -inf per row, grown as batches grow: no fill kernel a step
 
     def prepare(self, batch: Batch) -> SamplingArgs:
         if batch.all_greedy:
@@ -107,7 +109,7 @@ class Sampler:
         seeds, positions, top_k_dev = ints.view(3, -1)
         max_k = int(top_k.max())
         return SamplingArgs(
-            temperatures=floats[0], top_p=floats[1] if (top_p < 1.0).any() else None,
+            temperatures=floats[0], top_p=floats[1] if (top_p < 1.0).any() else None, top_p_values=floats[1],
             top_k=top_k_dev if max_k else None, max_k=max_k, seeds=seeds, positions=positions,
         )
 
@@ -117,7 +119,11 @@ class Sampler:
         if self.kernels is None:
             return sample_torch(logits, args)
         n = logits.shape[0]
-        thresholds = (top_k_thresholds(logits, args.top_k, args.max_k) if args.top_k is not None
-                      else torch.full((n,), float("-inf"), device=logits.device))
-        top_p = args.top_p if args.top_p is not None else torch.ones(n, device=logits.device)
-        return self.kernels.sample(logits, args.temperatures, thresholds, top_p, args.seeds, args.positions)
+        if args.top_k is not None:
+            thresholds = top_k_thresholds(logits, args.top_k, args.max_k)
+        else:
+            if self._no_thresholds.numel() < n:
+                self._no_thresholds = torch.full((max(n, 256),), float("-inf"), device=logits.device)
+            thresholds = self._no_thresholds[:n]
+        return self.kernels.sample(logits, args.temperatures, thresholds, args.top_p_values, args.seeds,
+                                   args.positions)
