@@ -9,9 +9,7 @@
     torchrun --nproc-per-node 3 launch.py job.input=rows.jsonl job.output=out.jsonl
     torchrun --nproc-per-node 8 launch.py parallel.tp_size=2 job.input=rows.jsonl job.output=out.jsonl  # DP 4 x TP 2
 
-The world is DP replicas x TP ranks (``parallel.tp_size``; 0: one TP group of all ranks).
-The first rank of each TP group runs that replica's scheduler and its share of the job;
-every other rank runs the worker loop.
+The first rank of each TP group runs that replica's scheduler; every other rank runs the worker loop.
 """
 
 from __future__ import annotations
@@ -36,8 +34,7 @@ if TYPE_CHECKING:
     from runtime.frontend.signals import Drain
 
 CONFIG_ERROR_GRACE_S = 10.0
-# How long an idle OpenMP worker spins before it sleeps (libgomp's default: 300,000). Short, so that on
-# cores shared with other work a worker waiting at a barrier gives its core back to the one it waits for.
+# Short spins, so on shared cores a worker waiting at a barrier gives its core back.
 GOMP_SPINCOUNT = 1000
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
 log = logging.getLogger("tpinfer")
@@ -62,13 +59,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def configure_cpu_threads(local_ranks: int, environ: MutableMapping[str, str] = os.environ) -> None:
-    """Before torch is imported: each of this node's ranks gets an equal share of the cores, and idle
-    OpenMP workers spin only briefly. Variables already set (``OMP_NUM_THREADS``, ``OMP_WAIT_POLICY``) win.
-
-    For one process that is torch's own thread count. With torch's long spins, workers on cores shared
-    with other work wait on each other many times slower; torchrun's one thread per rank would leave the
-    cores of an idle node unused.
-    """
+    """Before torch is imported: give each of this node's ranks an equal share of the cores and short OpenMP
+    spins; variables already set win."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // max(local_ranks, 1))))
     if "OMP_WAIT_POLICY" not in environ:
@@ -81,11 +73,11 @@ def run_leader(cfg: RuntimeConfig, serve_http: bool = False) -> int:
     from runtime.frontend.signals import Drain, install_drain_handlers, restore_default_signals
 
     drain = Drain()
-    install_drain_handlers(drain)  # before the (long) model load: a signal then still drains cleanly
+    install_drain_handlers(drain)  # before the long model load, so a signal still drains cleanly
     locked = bool(cfg.job.input) and cfg.job.lock and get_tp().dp_rank == 0
     try:
         with contextlib.ExitStack() as held:
-            if locked:  # a second run on the same output stops here, before it loads the model
+            if locked:
                 from runtime.frontend.job import output_lock
 
                 held.enter_context(output_lock(Path(cfg.job.output), cfg.job.lock_wait_s))
@@ -106,12 +98,12 @@ def run_leader(cfg: RuntimeConfig, serve_http: bool = False) -> int:
             finally:
                 llm.shutdown()
     finally:
-        restore_default_signals()  # after the job a SIGTERM ends the process as usual
+        restore_default_signals()
 
 
 def serve_as_own_error(cfg: RuntimeConfig, llm: LLM, drain: Drain, output_locked: bool = False) -> int:
-    """``serve``; a ValueError met while serving is this rank's own (say, replica 1's I/O), not a config
-    error every rank shares, so it becomes a RuntimeError that this rank reports itself."""
+    """``serve``; a ValueError while serving is this rank's own, not a shared config error, so it is re-raised
+    as a RuntimeError."""
     try:
         return serve(cfg, llm, drain, output_locked)
     except ValueError as exc:
@@ -133,14 +125,14 @@ def serve(cfg: RuntimeConfig, llm: LLM, drain: Drain, output_locked: bool = Fals
             replicas = f" over {m['dp_size']} replicas" if m["dp_size"] > 1 else ""
             print(f"{m['completed']} rows done, {m['errors']} errors, {m['already_done']} done before -> "
                   f"{cfg.job.output}; {m['output_tokens']} tokens at {m['output_tokens_per_s']:.1f} tokens/s{replicas}")
-        if m["interrupted"] or drain.requested:  # any replica cut short (this one included)
-            if get_tp().dp_rank == 0:  # every replica's leader exits 143; one of them says why
+        if m["interrupted"] or drain.requested:
+            if get_tp().dp_rank == 0:  # every replica's leader exits 143; one says why
                 print(f"interrupted by signal: finished rows are on disk; rerun to complete (exit {EXIT_PREEMPTED})",
                       file=sys.stderr)
             return EXIT_PREEMPTED
         return 0
     tp = get_tp()
-    mine = cfg.job.prompts[tp.dp_rank :: tp.dp_size]  # data parallel: the prompts are dealt out to the replicas
+    mine = cfg.job.prompts[tp.dp_rank :: tp.dp_size]
     if not mine:
         return 0
     outputs = llm.generate([[{"role": "user", "content": p}] if cfg.job.chat_template else p for p in mine])
@@ -157,7 +149,7 @@ def run_worker(cfg: RuntimeConfig) -> int:
     from runtime.frontend.signals import ignore_drain_signals
     from runtime.worker import run_worker as follow_rank0
 
-    ignore_drain_signals()  # rank 0 decides when to stop; a worker leaving early would stall everyone
+    ignore_drain_signals()  # a worker leaving early would stall everyone
     follow_rank0(cfg)
     return 0
 
@@ -165,14 +157,14 @@ def run_worker(cfg: RuntimeConfig) -> int:
 def report_peak_memory(rank: int) -> None:
     import torch
 
-    host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+    host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     device = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_initialized() else 0.0
     log.info("rank %d peak memory: host %.2f GiB, device %.2f GiB", rank, host, device)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if sweep.requested(argv):  # --sweep, --sweep-file, --collect: the sweep module reads the whole command line
+    if sweep.requested(argv):
         return sweep.main(argv, script=str(Path(__file__).resolve()), configure_threads=configure_cpu_threads)
     args = parse_args(argv)
     try:
@@ -190,16 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.nproc_per_node is not None:
         if args.serve and replicas(cfg, args.nproc_per_node) > 1:
             return serve_needs_one_replica(cfg, args.nproc_per_node)
-        configure_cpu_threads(args.nproc_per_node)  # for the ranks; torchrun then prints no OMP_NUM_THREADS banner
+        configure_cpu_threads(args.nproc_per_node)
         return start_ranks(args)
-    configure_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # torchrun sets it for every rank
+    configure_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.serve and replicas(cfg, world) > 1:
         return serve_needs_one_replica(cfg, world)
     if bool(cfg.job.input) != bool(cfg.job.output):
         print("error: config keys 'job.input' and 'job.output' must be set together", file=sys.stderr)
         return 2
-    if cfg.job.input and not Path(cfg.job.input).exists():  # a file, or a table folder (save_to_disk, Parquet shards)
+    if cfg.job.input and not Path(cfg.job.input).exists():
         print(f"error: config key 'job.input'={cfg.job.input} does not exist", file=sys.stderr)
         return 2
     if cfg.job.input:
@@ -207,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         from runtime.frontend.job_inputs import open_input, output_format
         from runtime.sampling_params import SamplingParams
 
-        try:  # bad input (its kind, its columns, the output's format) fails before the model loads
+        try:  # bad input fails before the model loads
             paths = JobPaths.from_config(cfg.job)
             paths.check_distinct()
             output_format(paths.output, open_input(paths.input, cfg.job, SamplingParams(**vars(cfg.sampling))))
@@ -228,16 +220,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rank {rank}: interrupted (a second Ctrl-C); finished rows are on disk", file=sys.stderr, flush=True)
         exit_now(130)
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as exc:
-        # A configuration error (ValueError while building) is the same on every rank: rank 0 says it, once.
+        # A config error is the same on every rank: rank 0 says it, once.
         if rank == 0 or not isinstance(exc, ValueError):
             print(f"error on rank {rank}: {exc}", file=sys.stderr, flush=True)
         elif read_torchrun_env().world_size > 1:
-            # Leave rank 0 the time to say it: torchrun ends every rank once the first one exits.
+            # Leave rank 0 time to say it: torchrun ends every rank once the first one exits.
             time.sleep(CONFIG_ERROR_GRACE_S)
         if read_torchrun_env().world_size > 1:
-            # Peers may be dead or stuck in a collective that never completes, and a graceful
-            # teardown (NCCL communicator destroy) would wait for them: finished rows are already
-            # on disk, so leave now and let torchrun end the other ranks.
+            # Peers may be stuck in a collective, so a graceful teardown could hang; finished rows are on disk.
             exit_now(1)
         return 1
     # Every engine released its CUDA graphs on the way out, so destroying the groups cannot block.
@@ -264,7 +254,7 @@ def start_ranks(args: argparse.Namespace) -> int:
     if args.nproc_per_node < 1:
         print(f"error: --nproc-per-node must be at least 1, got {args.nproc_per_node}", file=sys.stderr)
         return 2
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun for every rank
+    if "TORCHELASTIC_RUN_ID" in os.environ:
         print("error: --nproc-per-node starts the ranks itself; under torchrun leave it out", file=sys.stderr)
         return 2
     script_args = [f"--config={c}" for c in args.config or []] + (["serve"] if args.serve else []) + args.overrides

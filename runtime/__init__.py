@@ -1,9 +1,4 @@
-"""The tpinfer runtime: ``from runtime import LLM, SamplingParams``.
-
-Layers (ARCHITECTURE.md): ``engine/`` runs one step on every rank, ``scheduler/`` decides
-the steps on rank 0, ``frontend/`` turns prompts, jobs and signals into requests;
-``loop``, ``broadcast`` and ``worker`` tie them together across ranks.
-"""
+"""The tpinfer runtime: ``from runtime import LLM, SamplingParams``."""
 
 from runtime.sampling_params import SamplingParams
 

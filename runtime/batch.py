@@ -1,10 +1,4 @@
-"""Requests and batches.
-
-A ``Batch`` is described by a handful of int arrays (rows, start positions,
-lengths, where each sampled token goes, newly admitted prompts and pages).
-That descriptor is all the engine needs, so non-zero TP ranks can rebuild a
-batch from a broadcast without any ``Req`` objects.
-"""
+"""Requests and batches; a ``Batch`` is plain int arrays so other TP ranks can rebuild it without ``Req``s."""
 
 from __future__ import annotations
 
@@ -23,7 +17,7 @@ class TokenLogprob(TypedDict):
 
     token_id: int
     logprob: float
-    top: list[list[int | float]]  # [[token_id, logprob], ...], most likely first; k entries
+    top: list[list[int | float]]  # [[token_id, logprob], ...], most likely first
 
 
 def _splitmix(x: int) -> int:
@@ -35,18 +29,14 @@ def _splitmix(x: int) -> int:
 
 
 def unseeded_key(run_seed: int, key: object) -> int:
-    """The seed of a request without one: a hash of (run seed, the caller's key for the row: a job row's id, a
-    prompt's index in its call). It names the row, not the request counter, the replica or the batch, so a
-    row draws the same tokens at any data-parallel size, in any input order and after a resume; and it does
-    not collide with small user seeds (``seed=3`` and row 3 must not draw the same noise)."""
+    """Seed of an unseeded request, hashed from (run seed, row key) so a row draws the same tokens at any DP
+    size, input order or resume, without colliding with small user seeds."""
     digest = int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little")
     return _splitmix(run_seed * 0x9E3779B97F4A7C15 + digest + 0x632BE59BD9B4E019)
 
 
 def sample_seed(seed: int, sample_index: int) -> int:
-    """The seed of sample ``sample_index`` of a request seeded with ``seed``: sample 0 keeps ``seed`` (n=1 draws
-    exactly what it always drew); the others hash (seed, index) with their own constant, so they collide
-    neither with each other, nor with small user seeds, nor with ``unseeded_key`` streams."""
+    """Seed of sample ``sample_index``: sample 0 keeps ``seed``; the others get non-colliding hashes."""
     if sample_index == 0:
         return seed
     return _splitmix(seed * 0xD1B54A32D192ED03 + sample_index * 0x9E3779B97F4A7C15 + 0x2545F4914F6CDD1D)
@@ -57,43 +47,41 @@ class Req:
     uid: int
     prompt_ids: list[int]
     sampling: SamplingParams
-    max_new_tokens: int  # after clamping to the maximum sequence length
-    stream: int = 0  # the seed of an unseeded request (``unseeded_key``); a request's own seed wins
-    index: int = -1  # position in the caller's input list (results come back in input order)
-    table_idx: int = -1  # row of the page table and token pool while admitted
+    max_new_tokens: int  # clamped to the maximum sequence length
+    stream: int = 0  # seed used when the request has none (``unseeded_key``)
+    index: int = -1
+    table_idx: int = -1
     pages: list[int] = field(default_factory=list)
-    own_pages: list[int] = field(default_factory=list)  # pages this request must give back (not the tree's)
-    cache_node: Any = None  # radix node this request keeps locked (its cached prefix ends there)
+    own_pages: list[int] = field(default_factory=list)  # pages to give back (not the radix tree's)
+    cache_node: Any = None  # radix node kept locked while the request runs
     cached_len: int = 0  # tokens whose KV is written (as of the last launched step)
-    device_len: int = 0  # tokens the device token pool holds (prompt + launched samples)
-    output_ids: list[int] = field(default_factory=list)  # tokens received on the host
+    device_len: int = 0  # prompt + launched samples in the device token pool
+    output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    text: str | None = None  # set when a stop string cut the text; otherwise decoded at the end
-    detok: Any = None  # incremental detokenizer, only for requests with stop strings
-    sampling_row: tuple = ()  # (temperature, top_k, top_p, seed), fixed for the request's life
-    # n > 1: sample i of a prompt is a request of its own; the siblings (i > 0) point at sample 0.
+    text: str | None = None
+    detok: Any = None
+    sampling_row: tuple = ()
     sample_index: int = 0
-    leader: Req | None = None  # sample 0, whose prompt KV the siblings wait for in the prefix cache
-    prompt_cached: bool = False  # the whole prompt's KV has been offered to the prefix cache
-    # Logprobs (None when not asked): per generated token, and per prompt token (None for the first).
+    leader: Req | None = None  # sample 0: siblings wait for its prompt KV in the prefix cache
+    prompt_cached: bool = False
     output_logprobs: list[TokenLogprob] | None = None
-    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # asked of sample 0 only: the prompt is shared
-    logprob_ks: tuple[int, int] = (-1, -1)  # (logprobs k, prompt_logprobs k) for the batch; -1 = off
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # sample 0 only: the prompt is shared
+    logprob_ks: tuple[int, int] = (-1, -1)  # (logprobs k, prompt_logprobs k); -1 = off
 
     def __post_init__(self) -> None:
         self.device_len = len(self.prompt_ids)
         p = self.sampling
         seed = sample_seed(p.seed if p.seed is not None else self.stream, self.sample_index)
         temperature = 0.0 if p.is_greedy else p.temperature
-        top_k = p.top_k if 0 < p.top_k < 2**31 else -1  # beyond int32 it cannot restrict any vocabulary
+        top_k = p.top_k if 0 < p.top_k < 2**31 else -1
         self.sampling_row = (temperature, top_k, p.top_p, seed)
         prompt_k = p.prompt_logprobs if self.sample_index == 0 and p.prompt_logprobs is not None else -1
         self.logprob_ks = (-1 if p.logprobs is None else p.logprobs, prompt_k)
         if p.logprobs is not None:
             self.output_logprobs, self.cumulative_logprob = [], 0.0
         if prompt_k >= 0:
-            self.prompt_logprobs = [None]  # the first prompt token has no context to be predicted from
+            self.prompt_logprobs = [None]
 
     @property
     def wants_logprobs(self) -> bool:
@@ -101,20 +89,16 @@ class Req:
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        """Every prompt position must be computed (no cached prefix may stand in for it)."""
+        """Every prompt position must be computed: no cached prefix may stand in."""
         return self.logprob_ks[1] >= 0
 
     def make_sibling(self, uid: int, sample_index: int) -> Req:
-        """Sample ``sample_index`` (>= 1) of this request's prompt: same prompt, parameters and input index,
-        its own ``uid`` and its own seed derived from the prompt's (``sample_seed``).
-
-        Add it to the scheduler after this request: with the radix cache it is admitted only once this
-        request's prompt KV is cached, and then computes just the prompt's last partial page.
-        """
+        """Sample ``sample_index`` (>= 1) of this prompt; add it to the scheduler after this request so it
+        reuses this request's cached prompt KV."""
         assert self.sample_index == 0 and sample_index >= 1, "siblings hang off sample 0"
         sibling = Req(uid, self.prompt_ids, self.sampling, self.max_new_tokens, stream=self.stream,
                       index=self.index, sample_index=sample_index, leader=self)
-        if self.detok is not None:  # stop strings: each sample detokenizes its own text
+        if self.detok is not None:
             sibling.detok = type(self.detok)(self.detok.tokenizer)
         return sibling
 
@@ -128,7 +112,6 @@ class Req:
 
     @property
     def launched_new(self) -> int:
-        """Tokens whose sampling has been launched (some may still be in flight)."""
         return self.device_len - self.prompt_len
 
     @property
@@ -139,12 +122,11 @@ class Req:
         """Advance host bookkeeping for a launched step of ``ext_len`` tokens."""
         self.cached_len += ext_len
         if self.cached_len == self.device_len:
-            self.device_len += 1  # the step samples the next token into the pool
+            self.device_len += 1
 
 
 def make_sample_group(first: Req, uids: list[int]) -> list[Req]:
-    """``[first, sibling 1, ...]``: the ``len(uids) + 1`` samples of ``first``'s prompt (``SamplingParams.n``),
-    ``uids`` being fresh request ids for the siblings. Add them to the scheduler in this order."""
+    """``[first, sibling 1, ...]`` for ``SamplingParams.n``; add them to the scheduler in this order."""
     return [first] + [first.make_sibling(uid, i) for i, uid in enumerate(uids, start=1)]
 
 
@@ -157,24 +139,23 @@ class Batch:
     sample_rows: np.ndarray  # int32 [B]: row the sampled token is written to (the dummy row discards it)
     temperature: np.ndarray  # float32 [B], 0 = greedy
     top_k: np.ndarray  # int32 [B], <= 0 disables
-    top_p: np.ndarray  # float32 [B]
-    seeds: np.ndarray  # int64 [B]: each request's noise seed (runtime.engine.sampler)
-    # Newly admitted requests: their rows, prompt tokens and KV pages, written before the step.
+    top_p: np.ndarray
+    seeds: np.ndarray
+    # Newly admitted requests, written before the step.
     admit_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     admit_token_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     admit_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     admit_page_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     admit_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    # Logprobs, per row (-1: this row does not ask); None when no row asks, so such steps do nothing extra.
-    logprobs: np.ndarray | None = None  # int32 [B]: alternatives reported with each sampled token
-    prompt_logprobs: np.ndarray | None = None  # int32 [B], prefill only: the same for the chunk's prompt tokens
+    # Per row k (-1: off); None when no row asks
+    logprobs: np.ndarray | None = None
+    prompt_logprobs: np.ndarray | None = None
     reqs: list[Req] = field(default_factory=list)  # rank 0 only
-    # Filled by the engine before the forward pass.
     padded_size: int = 0
     input_ids: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     out_loc: torch.Tensor | None = None
-    req_rows: torch.Tensor | None = None  # decode: each request's page-table row, on the device
+    req_rows: torch.Tensor | None = None
     logits_indices: torch.Tensor | None = None
     attn_meta: Any = None
 

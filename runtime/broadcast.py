@@ -1,9 +1,4 @@
-"""A replica's leader -> its TP ranks: the step's batch descriptor as int tensors over the gloo CPU group.
-
-Two broadcasts per step: a fixed-size header (kind and array lengths), then one
-int64 payload holding every array (float32 arrays travel as their bit
-patterns). No pickling: the other ranks rebuild an identical ``Batch``.
-"""
+"""Leader -> TP ranks: each step's batch as a header plus one int64 payload over gloo (no pickling)."""
 
 from __future__ import annotations
 
@@ -23,7 +18,7 @@ _OPTIONAL_FIELDS = ("logprobs", "prompt_logprobs")
 
 
 def _broadcast(t: torch.Tensor) -> torch.Tensor:
-    dist.broadcast(t, group_src=0, group=get_cpu_group())  # the replica's leader (rank 0 of its group)
+    dist.broadcast(t, group_src=0, group=get_cpu_group())
     return t
 
 

@@ -1,9 +1,4 @@
-"""The configuration schema (omegaconf structured configs) and its loader.
-
-One schema for everything a run needs. YAML files merge in order, then
-``key=value`` overrides; unknown keys, wrong types and bad values fail at start
-with a message that names the key (and the nearest valid one for a typo).
-"""
+"""The configuration schema (omegaconf structured configs) and its loader; bad keys fail at start."""
 
 from __future__ import annotations
 
@@ -30,7 +25,7 @@ class ModelSection:
     path: str = "default"  # "default" = the embedded SmolLM2-135M-Instruct, or a local HF-format directory
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on GPU, float32 on CPU)
     max_seq_len: int = 4096  # capped at the model's max_position_embeddings
-    random_weights: bool = False  # draw weights on the device (benchmarks); path then needs only config.json
+    random_weights: bool = False  # random weights (benchmarks); path then needs only config.json
 
 
 @dataclass
@@ -48,9 +43,7 @@ class SchedulerSection:
     max_running_requests: int = 256
     max_prefill_tokens: int = 8192  # prefill tokens per step; longer prompts are chunked
     overlap: bool = True  # schedule step N+1 while the GPU runs step N
-    # While requests decode, new prompts wait until this share of the rows (max_running_requests) and of the
-    # KV pages is free, or all that wait fit: their prefill step stops every decode, so it is paid once per
-    # group, not per request. 0 admits as soon as one request fits.
+    # While decoding, admit new prompts in groups once this share of rows and pages is free (0: at once)
     admit_free_share: float = 0.0625
 
 
@@ -60,27 +53,17 @@ class EngineSection:
     attention_backend: str = "auto"  # auto | torch | flashinfer
     kernels: str = "auto"  # auto | torch | flashinfer: norms, RoPE, activation, sampling
     cuda_graph_max_bs: int = 256  # largest decode batch replayed from a CUDA graph; 0 disables graphs
-    # Prefill steps of up to this many tokens (capped at scheduler.max_prefill_tokens) replay CUDA graphs too,
-    # captured every 256 tokens up to 2048 and every 1024 above; a step is padded to the next captured size when that adds at
-    # most max(256, size / 16) tokens, else it runs eagerly. Eager prefill is bound by the host's launches for
-    # small models (SmolLM2: ~15 ms of host work a step against ~10 ms of GPU work). 0: eager prefill.
+    # Prefill steps up to this many tokens replay CUDA graphs (eager prefill is host-bound); 0: eager prefill
     cuda_graph_prefill_tokens: int = 16384
-    # auto | always | never: single-token steps run each layer as four fused GEMVs (GPU with Triton, TP=1,
-    # flashinfer kernels, CUDA graphs on); auto (the same as always) because it was faster at every measured
-    # width, 135M to 8B (models/gemv.py); never keeps cuBLAS and the separate norms.
+    # auto | always | never: decode steps use fused GEMVs (GPU, Triton, TP=1, flashinfer, CUDA graphs)
     fused_gemv: str = "auto"
     seed: int = 0
-    # Batch-invariant kernels: a row's tokens are the same bits alone or among any other rows, at any
-    # max_running_requests, DP size, input order or prefill chunking, and after a resume (for one TP size and
-    # GPU type). GEMMs whose cuBLAS kernel would change with the row count run on a Triton GEMM, decode
-    # attention always on paged_decode with one chunk size, prefill attention without split-KV, and no fused
-    # single-token GEMVs. Costs are in benchmarks/README.md.
+    # Batch-invariant kernels: a row's tokens are the same bits whatever the batch, DP size, order or resume
     deterministic: bool = False
 
 
 def _sampling_section() -> type:
-    """The ``sampling`` section: SamplingParams' fields, types and defaults, so that one place defines each
-    parameter, its default and its check (a request's own ``sampling`` overrides these per row)."""
+    """The ``sampling`` section, built from SamplingParams so each parameter is defined in one place."""
     hints = get_type_hints(SamplingParams)
     specs = []
     for f in fields(SamplingParams):
@@ -105,11 +88,9 @@ class JobColumnsSection:
 @dataclass
 class JobSection:
     prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))
-    # JSONL rows {"id", "prompt" | "messages", "sampling"?} or OpenAI batch lines {"custom_id", "method", "url",
-    # "body"}; or a table: .parquet, .csv, .arrow, a folder of Parquet shards, a datasets save_to_disk folder
+    # JSONL (native or OpenAI batch lines), or a table: .parquet, .csv, .arrow, Parquet shards, datasets folder
     input: str | None = None
-    # One result per input id; a rerun skips ids already there. JSONL (OpenAI batch result lines for an OpenAI
-    # batch input), or Parquet when the name ends in .parquet
+    # One result per input id; a rerun skips ids already there. JSONL, or Parquet when named *.parquet
     output: str | None = None
     format: str = "auto"  # a JSONL input's rows: auto (from the first row) | native | openai
     columns: JobColumnsSection = field(default_factory=JobColumnsSection)
@@ -119,19 +100,18 @@ class JobSection:
     fsync_every_s: float = 5.0  # how often finished rows are forced to disk (Parquet: written out)
     row_group_rows: int = 10000  # Parquet output: rows per row group
     lock: bool = True  # hold <output>.lock while running: a second run on the same output stops at start
-    lock_wait_s: float = 60.0  # how long to wait for another run's lock first (a killed run's ranks may be exiting)
+    lock_wait_s: float = 60.0  # wait this long for another run's lock (a killed run's ranks may be exiting)
     drain_timeout_s: float = 20.0  # after SIGTERM/SIGUSR1: finish in-flight rows for at most this long
     progress: bool = True  # tqdm bar on rank 0
 
 
 @dataclass
 class ParallelSection:
-    # Ranks per tensor-parallel group; the world is world_size / tp_size data-parallel replicas,
-    # each with its own scheduler, all fed from one job. 0: one TP group over the whole world.
+    # Ranks per tensor-parallel group; world_size / tp_size data-parallel replicas. 0: one TP group.
     tp_size: int = 0
     timeout_s: int = 300  # collective timeout
     memory_imbalance_bytes: int = 2 << 30  # refuse to start if ranks' free memory differs by more
-    # auto: symmetric-memory (CUDA IPC) all-reduce for decode-sized messages, NCCL for the rest | nccl | symm_mem
+    # auto (symm_mem for decode-sized messages, NCCL otherwise) | nccl | symm_mem
     all_reduce: str = "auto"
     check_tokens: bool = False  # debug: compare every rank's sampled tokens each step (one sync per step)
 
@@ -145,8 +125,7 @@ class ServerSection:
     api_key: str | None = None  # set: every /v1 request needs "Authorization: Bearer <api_key>"
     served_model_name: str | None = None  # the model's name in the API (default: the model directory's name)
     max_queue: int = 1024  # requests waiting for admission beyond this get 503
-    # A stream sends at most one chunk this often; tokens gather meanwhile. Fewer, larger chunks leave the step
-    # loop more of the host (benchmarks/README.md); 0 sends each step's token at once.
+    # A stream sends at most one chunk this often (fewer chunks leave the step loop more host time); 0: every step
     stream_interval_ms: float = 20.0
 
 
@@ -227,7 +206,7 @@ def _validate(cfg: RuntimeConfig) -> None:
         raise ConfigError(f"config key 'cache.memory_ratio'={cfg.cache.memory_ratio} must be in (0, 1]")
     if not 0 <= cfg.engine.seed < 2**31:
         raise ConfigError(f"config key 'engine.seed'={cfg.engine.seed} must be in [0, 2**31)")
-    for key in _NON_NEGATIVE:  # 0 has a meaning for each: the formula, no wait, every row, no graphs
+    for key in _NON_NEGATIVE:
         value = OmegaConf.select(node, key)
         if not value >= 0:  # NaN too
             raise ConfigError(f"config key '{key}'={value} must be >= 0")

@@ -1,8 +1,4 @@
-"""The step loop on rank 0: schedule, launch, then handle the previous step's tokens.
-
-With overlap on, step N+1 is scheduled and launched before step N's tokens are
-read, so the host's bookkeeping runs while the GPU computes.
-"""
+"""The rank-0 step loop; with overlap, step N+1 launches before step N's tokens are read."""
 
 from __future__ import annotations
 
@@ -16,7 +12,7 @@ from runtime.scheduler import Scheduler
 
 
 class DrainRequest(Protocol):
-    """What the loop reads of a drain request; ``runtime.frontend.signals.Drain`` is one (the loop sits below it)."""
+    """A drain request, e.g. ``runtime.frontend.signals.Drain``."""
 
     @property
     def requested(self) -> bool: ...
@@ -31,8 +27,7 @@ def run_until_idle(
 ) -> bool:
     """Serve until nothing is left; returns False if a drain request cut the run short.
 
-    ``refill`` (jobs, the server) tops up the waiting queue before each decision and says whether more may come.
-    ``on_tokens`` (streaming) gets each handled step's requests, after their new tokens are appended.
+    ``refill`` tops up the waiting queue and says whether more may come.
     """
     last: tuple[Batch, ForwardOutput] | None = None
 
@@ -54,7 +49,7 @@ def run_until_idle(
                 return False
         batch = scheduler.schedule()
         if on_batch is not None:
-            on_batch(batch)  # TP: broadcast the descriptor (None tells the workers the job is idle)
+            on_batch(batch)
         output = engine.forward_batch(batch) if batch is not None else None
         had_pending = last is not None
         if last is not None:

@@ -1,9 +1,4 @@
-"""After a step: append each request's sampled token and decide whether it has finished.
-
-The step loop calls it with the previous step's output (overlap), so stop-string
-detection (an incremental detokenizer, only for requests that have stop strings)
-runs while the GPU computes the next step.
-"""
+"""Append each step's sampled tokens and detect finished requests (runs while the GPU computes the next step)."""
 
 from __future__ import annotations
 
@@ -15,8 +10,7 @@ from runtime.batch import Batch, Req, TokenLogprob
 
 @dataclass
 class SampleOutput:
-    """What differs between the samples of one prompt (``SamplingParams.n``); the prompt's own data
-    (prompt tokens, ``prompt_logprobs``) is the request's, taken from sample 0."""
+    """One sample of a prompt (``SamplingParams.n``); prompt data comes from sample 0."""
 
     sample_index: int
     text: str
@@ -28,7 +22,6 @@ class SampleOutput:
 
     @classmethod
     def from_req(cls, req: Req, text: str) -> SampleOutput:
-        """``text``: the caller's decoding of ``req.output_ids`` (``req.text`` when a stop string cut it)."""
         return cls(req.sample_index, text, list(req.output_ids), req.finish_reason, len(req.output_ids),
                    req.output_logprobs, req.cumulative_logprob)
 

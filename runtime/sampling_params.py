@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-MAX_LOGPROBS = 20  # top alternatives per token: each costs a top-k over the vocabulary and host work
-MAX_N = 128  # samples per prompt: each is a request of its own (a row, pages, a sampler stream)
+MAX_LOGPROBS = 20
+MAX_N = 128
 
 
 @dataclass

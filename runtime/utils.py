@@ -1,4 +1,4 @@
-"""Small helpers and constants shared by the engine, the attention backends, the sampler and the scheduler."""
+"""Small helpers and constants shared by the engine, sampler and scheduler."""
 
 from __future__ import annotations
 
@@ -10,12 +10,7 @@ DUMMY_PAGE = 0
 
 
 def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Copy a host array to ``device`` through pinned memory without blocking the host.
-
-    The pinned block comes from PyTorch's caching host allocator, which does not
-    hand it out again until the copy that reads it has run: reusing a staging
-    buffer under an in-flight copy (an overlap-scheduling hazard) cannot happen.
-    """
+    """Non-blocking copy through pinned memory; the caching host allocator keeps the block until the copy ran."""
     t = torch.from_numpy(array)
     if device.type == "cpu":
         return t

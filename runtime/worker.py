@@ -24,10 +24,7 @@ def worker_loop(engine: Engine, on_output: Callable[[Batch, ForwardOutput], None
 
 
 def run_worker(cfg: RuntimeConfig) -> None:
-    """A rank other than 0: build this rank's engine, follow rank 0 until it says stop, release the engine.
-
-    Rank 0 builds its engine inside ``LLM`` at the same time (loading agrees on memory collectively).
-    """
+    """Follow rank 0 until it says stop; rank 0 builds its engine in ``LLM`` concurrently (collective loading)."""
     engine = Engine.from_config(cfg)
     try:
         worker_loop(engine)

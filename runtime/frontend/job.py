@@ -1,27 +1,8 @@
 """Resumable jobs: rows in, one result row per input id out, over any number of replicas.
 
-Inputs (``runtime.frontend.job_inputs``): JSONL rows ``{"id", "prompt"}`` or ``{"id", "messages"}`` with an
-optional ``"sampling"`` object (an id is a string or an integer; ``1.0`` is the id ``1``); OpenAI batch lines
-(``runtime.frontend.openai_api``: their ``custom_id`` is the id, and the output holds OpenAI batch result
-lines); or a table (``runtime.frontend.tables``). Outputs: JSONL, appended as rows complete, one whole line
-each (a torn last line from a killed run is cut off on resume; other unreadable lines are skipped with a
-warning); or Parquet (``runtime.frontend.parquet_output``). Rows that cannot be served, for whatever reason,
-go to the errors file with their line number (OpenAI batch outputs also get an error line) and the job goes on.
-
-Rows are read a window at a time (``WINDOW_ROWS``), so a large input starts serving at once and is never
-held in memory whole; each window is planned on its own (``plan``).
-
-Data parallelism: every replica reads the same input and output, then claims rows a few at a time from one
-shared counter (``runtime.frontend.replicas``), so replicas stay busy until the end. Replica 0 appends to
-``job.output`` itself; replica r > 0 to ``<output>.part-<r>``, merged into ``job.output`` at the end (or at
-the start of the next run, after a kill). Each run holds ``<output>.lock`` (replica r also
-``<output>.lock-<r>``) throughout: a second run on the same output stops at start, naming the holder.
-
-What a rerun does: it skips every id already in the output and serves every other row, including rows that
-failed before (their error may have come from the config, such as a prompt longer than ``model.max_seq_len``;
-an OpenAI batch output loses its error lines first). Each run rewrites the errors file, so it lists the rows
-that failed in the latest run. A job killed at any moment and rerun, at any DP or TP size, ends with exactly
-one row per input id.
+Replicas claim rows from one shared counter; replica r > 0 writes ``<output>.part-<r>``, merged at the end or
+on the next run. A rerun skips ids already in the output, so a job killed at any moment and rerun, at any DP or
+TP size, ends with exactly one row per input id.
 """
 
 from __future__ import annotations
@@ -59,13 +40,13 @@ from runtime.frontend.replicas import Replicas
 log = logging.getLogger(__name__)
 
 WINDOW_ROWS = 8192  # input rows read and planned at a time
-UNKNOWN_REST = 1 << 40  # stands for the rows not read yet in the todo count given to claims
+UNKNOWN_REST = 1 << 40  # stands for the rows not read yet
 
 
 def run_job(llm: Any, config_yaml: str, output_locked: bool = False) -> dict[str, Any]:
-    """Serve every row not yet done; returns the job's metrics (replica 0 also writes them to the metrics file).
+    """Serve every row not yet done; returns the job's metrics.
 
-    ``output_locked``: the caller holds ``<output>.lock`` already (the launcher takes it before loading the model).
+    ``output_locked``: the caller holds ``<output>.lock`` already.
     """
     job = llm.cfg.job
     paths = JobPaths.from_config(job)
@@ -82,12 +63,12 @@ def run_job(llm: Any, config_yaml: str, output_locked: bool = False) -> dict[str
                 held.enter_context(output_lock(paths.output, job.lock_wait_s))
             recover(paths, out_format, job.row_group_rows, job.lock_wait_s if job.lock else None)
             for stale in part_files(paths.errors):
-                stale.unlink()  # the errors file describes the latest run only
+                stale.unlink()
             paths.config.parent.mkdir(parents=True, exist_ok=True)
             paths.config.write_text(config_yaml)
             if source.id_note:
                 log.warning("%s", source.id_note)
-        replicas.barrier("recovered")  # the others lock their part only now: replica 0 may have refused the run
+        replicas.barrier("recovered")  # others lock their part only now: replica 0 may have refused the run
         if not replicas.first and job.lock:
             part = part_path(paths.output, replicas.index)
             held.enter_context(OutputLock(lock_path(paths.output, replicas.index),
@@ -95,7 +76,7 @@ def run_job(llm: Any, config_yaml: str, output_locked: bool = False) -> dict[str
                                           job.lock_wait_s))
         todo = Todo(source.rows(), done_keys(out_format, paths.output))
         todo.fill(0)
-        replicas.barrier("planned")  # every replica has read the same output before anyone appends to it
+        replicas.barrier("planned")  # every replica reads the same output before anyone appends
         if llm.drain is not None and replicas.store is not None:
             llm.drain.sync = replicas.share_drain
         try:
@@ -117,15 +98,12 @@ def run_job(llm: Any, config_yaml: str, output_locked: bool = False) -> dict[str
 
 
 def output_lock(output: Path, wait_s: float) -> OutputLock:
-    """The lock replica 0 holds on ``job.output`` for a whole run."""
     return OutputLock(lock_path(output), f"job.output={output}", wait_s)
 
 
 def recover(paths: JobPaths, out_format: str, row_group_rows: int, lock_wait_s: float | None) -> None:
-    """Replica 0, before anyone plans: fold in what replicas of a killed run left in part files, and drop an
-    OpenAI output's error lines (their rows are retried). Each part's lock is taken first (``lock_wait_s``:
-    None without locks): a replica of an earlier run still writing its part stops this run rather than lose
-    rows."""
+    """Replica 0: fold in a killed run's part files (taking each part's lock first, so a replica still
+    writing stops this run rather than lose rows) and drop an OpenAI output's error lines."""
     with ExitStack() as parts:
         if lock_wait_s is not None:
             for held in part_locks(paths.output):
@@ -144,11 +122,10 @@ def merge_output(output: Path, out_format: str, row_group_rows: int) -> None:
 
         parquet_output.merge_parts(output, row_group_rows)
     else:
-        merge_parts(output)  # a torn last line is cut
+        merge_parts(output)
 
 
 def done_keys(out_format: str, output: Path) -> set[str]:
-    """Keys of the rows the output already answers."""
     if out_format == "parquet":
         from runtime.frontend import parquet_output
 
@@ -158,16 +135,12 @@ def done_keys(out_format: str, output: Path) -> set[str]:
     return done_ids(output, repair=False)
 
 
-OUTLIER_WORK = 4.0  # a row expected to take this many times the median row's work is served first
+OUTLIER_WORK = 4.0
 
 
 def plan(rows: list[JobRow], done: set[str]) -> list[JobRow]:
-    """The rows to serve: unparsable rows first (they only need an error line), then outliers (rows
-    expected to take several times the median work, longest first: started last, they would keep one
-    replica busy long after the others ran dry), then the rest in input order.
-
-    Not every row longest-first: that starts the longest rows together and slowed a job down (one H200,
-    1B shape, 1,024 rows of 100-1,024 tokens in and out: 26.6k tokens/s against 29.7k in input order)."""
+    """Unparsable rows first, then outliers longest first (started last, they would keep one replica busy
+    alone), then the rest in input order; fully longest-first starts the long rows together and is slower."""
 
     def expected_work(row: JobRow) -> int:
         return len(json.dumps(row.prompt)) // 4 + row.sampling.max_new_tokens * row.sampling.n  # ~4 chars a token
@@ -182,27 +155,24 @@ def plan(rows: list[JobRow], done: set[str]) -> list[JobRow]:
 
 
 class Todo:
-    """The rows to serve, numbered 0, 1, ... in serving order: the input is read ``WINDOW_ROWS`` rows at a
-    time and each window planned on its own (``plan``), the same way on every replica, so a claimed number
-    names the same row everywhere. Only the windows around the claims are held."""
+    """The rows to serve in serving order, planned a window at a time the same way on every replica, so a
+    claimed number names the same row everywhere."""
 
     def __init__(self, rows: Iterator[JobRow], done: set[str], window: int = WINDOW_ROWS) -> None:
         self._rows, self._done, self._window = rows, done, window
         self._planned: deque[tuple[int, list[JobRow]]] = deque()  # (number of the first row, rows)
-        self.end = 0  # rows planned so far
-        self.exhausted = False  # the whole input has been read
-        self.read = 0  # input rows read (an interrupted run may stop before the end)
+        self.end = 0
+        self.exhausted = False
+        self.read = 0
         self.already_done = 0
-        self.first_id: Any = None  # the id of the first good row
+        self.first_id: Any = None
 
     @property
     def total(self) -> int:
-        """The number of rows to serve; until the input is read to its end, a number far beyond it."""
         return self.end if self.exhausted else self.end + UNKNOWN_REST
 
     def fill(self, number: int) -> None:
-        """Plan at least a window beyond ``number`` (or to the end of the input): claims in the last window
-        then see the exact total."""
+        """Plan at least a window beyond ``number`` so claims in the last window see the exact total."""
         while not self.exhausted and self.end <= number + self._window:
             chunk = list(islice(self._rows, self._window))
             if not chunk:
@@ -218,7 +188,7 @@ class Todo:
                 self.end += len(planned)
 
     def rows(self, numbers: range) -> list[JobRow]:
-        """The rows of ``numbers`` (claims only grow: windows before them are dropped); fewer past the end."""
+        """The rows of ``numbers``; claims only grow, so earlier windows are dropped."""
         if not numbers:
             return []
         self.fill(numbers[-1])
@@ -233,8 +203,7 @@ class Todo:
 
 
 def _id_type(source: JobInput, todo: Todo, output: Path) -> str:
-    """int or str: the Parquet id column's type, from the output already there, the input's id column, or the
-    first row (the same on every replica)."""
+    """int or str: the Parquet id column's type, decided the same way on every replica."""
     from runtime.frontend import parquet_output
 
     existing = parquet_output.existing_schema(output)
@@ -249,7 +218,6 @@ def _id_type(source: JobInput, todo: Todo, output: Path) -> str:
 
 def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: Todo, out_format: str, source: JobInput
           ) -> dict[str, Any]:
-    """This replica's share: claim rows while there are any, write results and errors as they come."""
     job = llm.cfg.job
     if out_format == "parquet":
         from runtime.frontend import parquet_output
@@ -263,8 +231,8 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: Todo, out_format:
     tokens = openai_api.TokenText(llm.tokenizer)
     model_name = llm.model_dir.name
     counts = {"rows": 0, "errors": 0, "input_tokens": 0, "output_tokens": 0}
-    latencies: list[float] = []  # claim to result, per row
-    claimed: dict[str, tuple[JobRow, float]] = {}  # by the row's id, which is also its item key (its noise)
+    latencies: list[float] = []
+    claimed: dict[str, tuple[JobRow, float]] = {}  # by the row's id, which is also its noise key
     start = time.perf_counter()
     bar = _progress(todo.end if todo.exhausted else None, job.progress and replicas.first)
 
@@ -274,7 +242,7 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: Todo, out_format:
             code = code or row.code or openai_api.engine_error_code(message)
             outputs.write(openai_api.error_line(row.id, row.key, code, message))
         counts["errors"] += 1
-        bar.update(replicas.finished() - bar.n)  # every replica's rows (the bar is on replica 0)
+        bar.update(replicas.finished() - bar.n)
 
     def on_result(key: str, output: Any) -> None:
         row, claimed_at = claimed.pop(key)
@@ -290,21 +258,21 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: Todo, out_format:
                 record.update(row.keep)
             try:
                 outputs.write(record)
-            except ValueError as exc:  # a Parquet id of the other type
+            except ValueError as exc:
                 record_error(row, str(exc))
                 return
         counts["rows"] += 1
         counts["input_tokens"] += output.prompt_tokens
         counts["output_tokens"] += output.total_completion_tokens
         latencies.append(round(time.perf_counter() - claimed_at, 4))
-        bar.update(replicas.finished() - bar.n)  # every replica's rows (the bar is on replica 0)
+        bar.update(replicas.finished() - bar.n)
         bar.set_postfix(tok_s=f"{counts['output_tokens'] / max(time.perf_counter() - start, 1e-9):.0f}")
 
     def take(want: int) -> list[tuple[JobRow, Any, Any]] | None:
         picked = replicas.claim(want, todo.total)
         rows = todo.rows(picked)
         if want > 0 and not rows:
-            return None  # every row has been handed out
+            return None
         if todo.exhausted and bar.total != todo.end:
             bar.total = todo.end
             bar.refresh()
@@ -333,11 +301,9 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: Todo, out_format:
 
 
 def summarize(reports: list[dict[str, Any]], wall: float, config_yaml: str) -> dict[str, Any]:
-    """Totals over the replicas, and each replica's own rows, tokens and busy time. ``rows``: the input rows
-    read (all of them, unless the run was interrupted first)."""
     total = {k: sum(r[k] for r in reports) for k in ("rows", "errors", "input_tokens", "output_tokens")}
     latencies = [x for r in reports for x in r["latencies"]]
-    furthest = max(reports, key=lambda r: r["read"])  # replicas read the same input; an interrupted one less
+    furthest = max(reports, key=lambda r: r["read"])  # an interrupted replica read less
     per_replica = [{k: v for k, v in r.items() if k not in ("latencies", "read", "already_done")} for r in reports]
     for r in per_replica:
         r["output_tokens_per_s"] = r["output_tokens"] / max(r["busy_s"], 1e-9)

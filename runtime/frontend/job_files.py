@@ -1,10 +1,5 @@
-"""The files of a job: JSONL input rows parsed and validated (native rows or OpenAI batch lines), JSONL
-output rows read back and appended.
-
-Also the part files of data-parallel replicas other than the first: ``<output>.part-<r>``
-(and ``<errors>.part-<r>``), merged into the real files at the end of a run, or at the start
-of the next one if a run was killed first.
-"""
+"""The files of a job: JSONL input rows parsed and validated, JSONL output rows read back and appended, and
+the part files of replicas r > 0 (``<output>.part-<r>``), merged at the end of a run or the start of the next."""
 
 from __future__ import annotations
 
@@ -37,9 +32,9 @@ class JobRow:
     prompt: Any = None
     sampling: SamplingParams | None = None
     error: str | None = None
-    code: str | None = None  # OpenAI batch rows: the error's code
-    request: openai_api.Request | None = None  # OpenAI batch rows: what the response needs
-    keep: dict[str, Any] | None = None  # table rows: the values of job.columns.keep
+    code: str | None = None
+    request: openai_api.Request | None = None
+    keep: dict[str, Any] | None = None
 
     @property
     def key(self) -> str:
@@ -77,14 +72,14 @@ class JobPaths:
 
 
 def _beside(out: Path, suffix: str) -> Path:
-    """A side file of the output: ``out.jsonl`` -> ``out<suffix>``; other names keep their whole name
-    (``shard.00`` -> ``shard.00<suffix>``), so outputs that differ in a last suffix never share one."""
+    """A side file of the output: ``out.jsonl`` -> ``out<suffix>``, other names keep their whole name, so
+    outputs that differ in a last suffix never share one."""
     return out.with_suffix(suffix) if out.suffix in (".jsonl", ".json") else out.with_name(out.name + suffix)
 
 
 def read_rows(path: Path, defaults: SamplingParams, chat_template: bool, fmt: str = "native") -> Iterator[JobRow]:
-    """The rows of a JSONL input in order; ``fmt``: native, openai or auto (from the first row that is an
-    object). A row of the other kind stops the reading (InputError naming its line): one file, one kind."""
+    """The rows of a JSONL input in order; one file holds one kind (native or openai): a row of the other kind
+    raises InputError."""
     kind = jsonl_format(path) if fmt == "auto" else fmt
     seen: set[str] = set()
     with open(path, "rb") as f:
@@ -119,8 +114,7 @@ _KIND_PLURALS = {"native": "native rows", "openai": "OpenAI batch lines"}
 
 
 def row_kind(obj: Any) -> str | None:
-    """openai (custom_id, or url and body), native (id, prompt or messages), or None: neither, an error row
-    either way."""
+    """openai, native, or None (an error row either way)."""
     if not isinstance(obj, dict):
         return None
     if "custom_id" in obj or ("url" in obj and "body" in obj):
@@ -129,7 +123,6 @@ def row_kind(obj: Any) -> str | None:
 
 
 def jsonl_format(path: Path) -> str:
-    """openai or native: the kind of the first line that parses as a row; native when none does."""
     with open(path, "rb") as f:
         for raw in f:
             try:
@@ -157,7 +150,6 @@ def _salvage_custom_id(raw: bytes) -> str | None:
 
 
 def normalize_id(value: Any) -> str | int | None:
-    """A row id as a string or an integer; None when it is neither (booleans, fractions, objects)."""
     if isinstance(value, bool):
         return None
     if isinstance(value, float) and value.is_integer():
@@ -169,9 +161,9 @@ def _load_json(line: str, line_no: int) -> tuple[Any, str | None]:
     try:
         return json.loads(line), None
     except json.JSONDecodeError as exc:
-        reason = exc.msg.removesuffix(" at")  # json's "Invalid control character at" already ends in "at"
+        reason = exc.msg.removesuffix(" at")
         return None, f"line {line_no} is not valid JSON: {reason} at column {exc.colno}"
-    except (ValueError, RecursionError) as exc:  # an integer over 4,300 digits, nesting deeper than the stack
+    except (ValueError, RecursionError) as exc:  # an integer over 4,300 digits, or nesting deeper than the stack
         return None, f"line {line_no} cannot be read: {str(exc).splitlines()[0][:200]}"
 
 
@@ -197,7 +189,7 @@ def _native_row(row: Any, line_no: int, defaults: SamplingParams, chat_template:
     if isinstance(prompt, str) and chat_template and "prompt" in row:
         prompt = [{"role": "user", "content": prompt}]
     sampling = row.get("sampling")
-    sampling = {} if sampling is None else sampling  # null means the defaults
+    sampling = {} if sampling is None else sampling
     if not isinstance(sampling, dict):
         return JobRow(line_no, row_id, error=f"line {line_no}: 'sampling' must be an object, not {sampling!r}")
     try:
@@ -208,8 +200,8 @@ def _native_row(row: Any, line_no: int, defaults: SamplingParams, chat_template:
 
 
 def _openai_row(obj: Any, line_no: int, defaults: SamplingParams, seen: set[str]) -> JobRow:
-    """An OpenAI batch line; its id is its custom_id. Chat messages always get the chat template and a
-    completion prompt never does, whatever job.chat_template says, as the two endpoints do."""
+    """An OpenAI batch line; chat messages always get the chat template and completion prompts never do, as
+    the two endpoints do."""
     if not isinstance(obj, dict):
         return JobRow(line_no, None, error=f"line {line_no} must be a JSON object", code="invalid_request")
     custom_id = obj.get("custom_id")
@@ -229,8 +221,7 @@ def _openai_row(obj: Any, line_no: int, defaults: SamplingParams, seen: set[str]
 
 
 def whole_lines(path: Path, repair: bool = False) -> list[bytes]:
-    """The complete lines of ``path`` (none if it is missing); a torn last line from a killed writer is
-    left out, and with ``repair`` cut off the file."""
+    """The complete lines of ``path``; a torn last line from a killed writer is left out (with ``repair``, cut)."""
     if not path.exists():
         return []
     data = path.read_bytes()
@@ -242,7 +233,6 @@ def whole_lines(path: Path, repair: bool = False) -> list[bytes]:
 
 
 def row_key(line: bytes) -> str | None:
-    """The id (as a JSON key) of a result line, or None when the line is not a result row."""
     try:
         return json.dumps(normalize_id(json.loads(line)["id"]))
     except (ValueError, KeyError, TypeError):
@@ -250,9 +240,7 @@ def row_key(line: bytes) -> str | None:
 
 
 def done_ids(path: Path, repair: bool = True) -> set[str]:
-    """Ids (as JSON keys) of the rows a previous run wrote. A torn last line (killed mid-write) is cut
-    off (``repair``); a complete line that is not a row (blank, zero-filled after a crash) is skipped
-    with a warning."""
+    """Ids of the rows a previous run wrote; a torn last line is cut (``repair``), other non-row lines skipped."""
     keys = set()
     for line_no, line in enumerate(whole_lines(path, repair), 1):
         key = row_key(line)
@@ -264,7 +252,6 @@ def done_ids(path: Path, repair: bool = True) -> set[str]:
 
 
 def part_path(path: Path, replica: int) -> Path:
-    """Where replica ``replica`` writes what belongs in ``path`` (replica 0 writes ``path`` itself)."""
     return path if replica == 0 else path.with_name(f"{path.name}.part-{replica}")
 
 
@@ -275,10 +262,9 @@ def part_files(path: Path) -> list[Path]:
 def merge_parts(path: Path, results: bool = True) -> int:
     """Append every ``<path>.part-*`` to ``path``, then delete the parts; returns the lines added.
 
-    ``results``: skip lines that are not result rows and ids ``path`` already holds, so a merge
-    interrupted between its append and its deletes adds nothing twice when it runs again.
+    ``results``: skip ids ``path`` already holds, so a merge interrupted before its deletes adds nothing twice.
     """
-    lines = whole_lines(path, repair=True)  # a torn last line (a kill mid-write) goes: appends start clean
+    lines = whole_lines(path, repair=True)  # appends start clean
     parts = part_files(path)
     if not parts:
         return 0
@@ -315,9 +301,8 @@ def served_custom_ids(path: Path) -> set[str]:
 
 
 def drop_error_lines(path: Path) -> int:
-    """Remove the error lines of an OpenAI batch output (and lines that are no result at all), so that a rerun
-    retries those requests and leaves one line each; returns how many went. Written aside and renamed over
-    the output: a kill meanwhile leaves the old file whole."""
+    """Remove an OpenAI batch output's error lines so a rerun retries them; written aside and renamed, so a kill
+    leaves the old file whole."""
     lines = whole_lines(path, repair=True)
 
     def served(line: bytes) -> bool:
@@ -334,7 +319,7 @@ def drop_error_lines(path: Path) -> int:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` by ``data`` all at once (a temporary file beside it, synced, renamed over it)."""
+    """Replace ``path`` by ``data`` atomically (temporary file, synced, renamed over it)."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -345,7 +330,6 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 def sync_dir(folder: Path) -> None:
-    """Make renames and new files in ``folder`` durable (a no-op where directories cannot be opened)."""
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:
@@ -359,20 +343,18 @@ def sync_dir(folder: Path) -> None:
 
 
 class JsonlAppender:
-    """Appends whole lines; flushes each, fsyncs at a cadence and on close."""
 
     def __init__(self, path: Path, fsync_every_s: float, mode: str = "a") -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(path, mode + "b")  # bytes: each line is encoded once, in write()
+        self.file = open(path, mode + "b")
         self.fsync_every_s = fsync_every_s
         self.last_sync = time.monotonic()
 
     def write(self, row: dict[str, Any]) -> None:
         try:
             line = json.dumps(row, ensure_ascii=False, default=str).encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate (valid JSON, e.g. in an id): escaped, it reads back the same
+        except UnicodeEncodeError:  # a lone surrogate (valid JSON): escaped, it reads back the same
             line = json.dumps(row, default=str).encode("ascii")
-        # default=str: a table's kept values that JSON has no type for (dates, decimals) are written as text
         self.file.write(line + b"\n")
         self.file.flush()
         if time.monotonic() - self.last_sync >= self.fsync_every_s:
@@ -386,8 +368,7 @@ class JsonlAppender:
 
 
 def result_row(row_id: Any, output: Any) -> dict[str, Any]:
-    """The output line of a finished row. Keys beyond today's appear only when the row asked for them:
-    ``logprobs``/``cumulative_logprob`` (sampling.logprobs), ``prompt_logprobs``, and ``choices`` (n > 1)."""
+    """The output line of a finished row; logprob and ``choices`` keys appear only when the row asked for them."""
     row: dict[str, Any] = {"id": row_id}
     if len(output.outputs) > 1:
         row["choices"] = [_choice(s, with_index=True) for s in output.outputs]
@@ -396,7 +377,7 @@ def result_row(row_id: Any, output: Any) -> dict[str, Any]:
     else:
         row.update(_choice(output.outputs[0] if output.outputs else output, with_index=False))
         row["prompt_tokens"] = output.prompt_tokens
-        row["completion_tokens"] = row.pop("completion_tokens")  # today's key order
+        row["completion_tokens"] = row.pop("completion_tokens")
     if output.prompt_logprobs is not None:
         row["prompt_logprobs"] = output.prompt_logprobs
     return row

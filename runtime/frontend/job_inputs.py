@@ -1,6 +1,4 @@
-"""What a job reads and writes, decided from ``job.input``, ``job.output`` and ``job.format`` before anything
-is served: JSONL rows (native or OpenAI batch lines) or a table in; JSONL, OpenAI batch results or Parquet out.
-"""
+"""What a job reads and writes, decided from ``job.input``, ``job.output`` and ``job.format`` before serving."""
 
 from __future__ import annotations
 
@@ -18,18 +16,18 @@ PARQUET_SUFFIXES = (".parquet", ".pq")
 @dataclass
 class JobInput:
     path: Path
-    format: str  # native | openai | parquet | csv | arrow | datasets
-    rows: Callable[[], Iterator[JobRow]]  # every row in input order, a fresh iterator each call
-    id_type: str | None = None  # int | str when the input says (a table's id column); else the first row decides
-    id_note: str | None = None  # how ids were made when the input has none
-    kept: list[Any] = field(default_factory=list)  # pyarrow fields of job.columns.keep (tables)
+    format: str
+    rows: Callable[[], Iterator[JobRow]]  # a fresh iterator each call
+    id_type: str | None = None
+    id_note: str | None = None
+    kept: list[Any] = field(default_factory=list)
 
     @property
     def is_table(self) -> bool:
         return self.format not in ("native", "openai")
 
 
-TABLE_SUFFIXES = (".parquet", ".pq", ".csv", ".tsv", ".arrow", ".feather", ".ipc")  # tables.SUFFIXES' keys
+TABLE_SUFFIXES = (".parquet", ".pq", ".csv", ".tsv", ".arrow", ".feather", ".ipc")
 
 
 def open_input(path: Path, job: Any, defaults: SamplingParams) -> JobInput:

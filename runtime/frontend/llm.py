@@ -22,11 +22,9 @@ from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler
 
 Prompt = Union[str, list[int], list[dict[str, str]]]
-Item = tuple[Any, Prompt, SamplingParams]  # (caller's key, prompt, sampling parameters)
+Item = tuple[Any, Prompt, SamplingParams]
 ItemSource = Callable[[int], Union[Sequence[Item], None]]
-# A source is asked for what the scheduler could admit now (its free rows) plus this many, so
-# the next admission never waits for rows, and no data-parallel replica hoards rows another
-# replica could run. When KV pages are the limit only this many wait.
+# Requests asked beyond the free rows: the next admission never waits, and no DP replica hoards rows.
 REFILL_SLACK = 4
 
 
@@ -34,16 +32,10 @@ GC_YOUNG_THRESHOLD = 50_000
 
 
 def quiet_garbage_collector() -> None:
-    """Keep Python's cyclic GC off the step loop's critical path.
-
-    Finished requests accumulate small containers (token lists, logprob entries: ~7 per token with
-    logprobs on); at the default thresholds the collector rescans them so often that the host fell
-    behind the GPU (logprobs on 256 rows: 3 ms of collection per step, measured). Objects alive after
-    the model load are frozen (never scanned again) and young collections run 70x less often.
-    """
+    """Keep Python's cyclic GC off the step loop: finished requests pile up small containers that the
+    default thresholds rescan so often the host falls behind the GPU."""
     gc.freeze()
-    # Frozen objects are never collected, not even at exit, where nanobind would then report Triton's bindings
-    # as leaked (dozens of lines on stderr): unfreeze before the interpreter's last collection.
+    # Frozen objects are never collected, so nanobind would report leaks at exit: unfreeze first.
     atexit.unregister(gc.unfreeze)
     atexit.register(gc.unfreeze)
     young, *older = gc.get_threshold()
@@ -52,7 +44,6 @@ def quiet_garbage_collector() -> None:
 
 
 def _kind(prompt: object) -> str:
-    """What a rejected prompt is, for its error: its type, and a list's element types."""
     if isinstance(prompt, list):
         return f"a list of {', '.join(sorted({type(t).__name__ for t in prompt}))}"
     return type(prompt).__name__
@@ -69,8 +60,7 @@ class LLM:
         self.engine = Engine.from_config(cfg)
         self.model_dir, self.model_config = self.engine.model_dir, self.engine.model_config
         self.tokenizer = load_tokenizer(self.model_dir)
-        # Stop strings are detected on the step loop with this one. The server gives it an instance of its own:
-        # a fast tokenizer encoding on one thread while another decodes with it fails ("Already borrowed").
+        # The server gives the step loop its own tokenizer: a fast tokenizer used on two threads fails.
         self.stop_tokenizer = self.tokenizer
         self.eos_ids = eos_token_ids(self.model_dir, self.tokenizer)
         e = self.engine
@@ -78,22 +68,19 @@ class LLM:
             cfg.scheduler, e.num_pages, e.page_size, e.max_seq_len, e.dummy_row, cfg.cache.type, cfg.cache.debug_checks,
         )
         self.outputs = OutputProcessor(self.eos_ids, e.dummy_row)
-        # Request ids differ between data-parallel replicas (they never pick sampling noise: row keys do).
+        # Request ids differ between DP replicas (sampling noise comes from row keys, not uids).
         self._next_uid = get_tp().dp_rank << 40
         self.last_stats: dict[str, float] = {}
-        self.drain: Drain | None = None  # set by the launcher to drain on SIGTERM/SIGUSR1
+        self.drain: Drain | None = None
         self.interrupted = False
         self._closed = False
-        self._page_waits = 0  # the scheduler's page-wait count at the last refill
+        self._page_waits = 0
         if get_tp().size > 1:
-            atexit.register(self.shutdown)  # workers wait for rank 0's STOP: never leave them hanging
+            atexit.register(self.shutdown)  # workers wait for rank 0's STOP
         quiet_garbage_collector()
 
-    # ---- prompts ----------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt: text, token ids, or chat messages (chat template applied)."""
         # Token ids first: one pass over the element types in C (bools are not ids), then the range.
-        # Three Python-level passes over a 150k-token workload took 22 ms; this one takes 9.
         if isinstance(prompt, list) and not prompt:
             raise ValueError("prompt is empty")
         if isinstance(prompt, list) and set(map(type, prompt)) <= {int}:
@@ -119,10 +106,9 @@ class LLM:
                          f"{_kind(prompt)}")
 
     def make_request(self, prompt: Prompt, params: SamplingParams, key: object = None) -> Req:
-        """A request for ``prompt``; ``key`` names the row (a job row's id, a prompt's index in its call): an
-        unseeded request draws its noise from (``engine.seed``, key), the same at any batch or DP size."""
+        """A request for ``prompt``; ``key`` names the row, so unseeded noise is the same at any batch or DP size."""
         ids = self.encode(prompt)
-        if not ids:  # e.g. whitespace with a tokenizer that adds no BOS: there is no position to sample from
+        if not ids:  # no position to sample from
             raise ValueError("prompt encodes to zero tokens")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings {params.stop} need a tokenizer; model directory {self.model_dir} has none")
@@ -140,14 +126,12 @@ class LLM:
         return req
 
     def make_requests(self, prompt: Prompt, params: SamplingParams, key: object = None) -> list[Req]:
-        """The request for ``prompt`` and its n - 1 sibling samples, in the order the scheduler takes them."""
         first = self.make_request(prompt, params, key)
         return make_sample_group(first, [self._take_uid() for _ in range(params.n - 1)])
 
     def default_sampling(self) -> SamplingParams:
         return SamplingParams(**vars(self.cfg.sampling))
 
-    # ---- generation -------------------------------------------------------------------------------------
     def generate(
         self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[RequestOutput]:
@@ -176,8 +160,7 @@ class LLM:
         self, conversations: list[dict[str, str]] | Sequence[list[dict[str, str]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Replies to one conversation (a list of ``{"role", "content"}`` messages) or to a list of them,
-        through the model's chat template; ``generate`` sends plain strings as they are."""
+        """Replies to one conversation or a list of them, through the model's chat template."""
         if isinstance(conversations, list) and conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         for conversation in conversations:
@@ -190,9 +173,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Serve (key, prompt, params) items; ``on_result(key, output)`` fires as each one completes.
 
-        ``items`` is a list (all queued at once) or a source the loop pulls from while it runs: ``source(n)``
-        returns up to ``n`` more items ([] when it has none now, None when it never will). Jobs use a source
-        so that data-parallel replicas take rows as they have room.
+        ``items`` is a list, or a source ``source(n)`` returning up to ``n`` more items ([] for none now, None at
+        the end), so DP replicas take rows as they have room.
         """
         results = Results(self._decode, on_result)
 
@@ -205,14 +187,14 @@ class LLM:
                     results.fail(position, str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}")
 
         source = items if callable(items) else None
-        submit([] if source is not None else items)  # a list is queued at once
+        submit([] if source is not None else items)
 
         def refill() -> bool:
             nonlocal source
             if source is None:
                 return False
             if self.drain is not None and self.drain.requested:
-                return False  # take nothing new
+                return False
             new = source(self._room())
             if new is None:
                 source = None
@@ -228,7 +210,6 @@ class LLM:
         generated = sum(o.total_completion_tokens for o in done)
         self.last_stats = {
             "seconds": elapsed, "output_tokens": generated, "tokens_per_s": generated / max(elapsed, 1e-9),
-            # prompt tokens computed, and those served from the radix cache (n samples share one prefill)
             "prefill_tokens": stats.prefill_tokens - prefilled, "cached_tokens": stats.cached_tokens - cached,
         }
         return done
@@ -237,10 +218,9 @@ class LLM:
         self, on_finish: Callable[[Req], None], refill: Callable[[], bool] | None = None,
         on_batch: Callable[[Batch | None], None] | None = None, on_tokens: Callable[[list[Req]], None] | None = None,
     ) -> bool:
-        """Run the step loop (``runtime.loop.run_until_idle``) with this replica's TP ranks following; False if a
-        drain cut it short."""
+        """Run the step loop with this replica's TP ranks following; False if a drain cut it short."""
         publish = on_batch
-        if get_tp().size > 1:  # the other ranks run every step rank 0 schedules
+        if get_tp().size > 1:
 
             def publish(batch: Batch | None) -> None:
                 send_batch(batch)
@@ -253,9 +233,8 @@ class LLM:
         )
 
     def _queue(self, req: Req, position: int) -> None:
-        """Queue ``req`` as input ``position``, with its n - 1 sibling samples right behind it."""
         req.index = position
-        self.scheduler.add(req)  # raises for this request alone when it can never be served
+        self.scheduler.add(req)
         for sibling in make_sample_group(req, [self._take_uid() for _ in range(req.sampling.n - 1)])[1:]:
             self.scheduler.add(sibling)
 
@@ -267,7 +246,7 @@ class LLM:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
 
     def _room(self) -> int:
-        """How many more requests the scheduler wants now: its free rows (none while pages are short) + a slack."""
+        """How many more requests the scheduler wants now: free rows (none while pages are short) + slack."""
         sched = self.scheduler
         pages_short, self._page_waits = sched.stats.page_waits > self._page_waits, sched.stats.page_waits
         free_rows = 0 if pages_short else len(sched.free_rows)
@@ -279,10 +258,8 @@ class LLM:
             send_batch(None)
 
     def shutdown(self) -> None:
-        """Release the worker ranks (TP: they leave their loop) and this engine's CUDA graphs. Idempotent.
-
-        Under torchrun, call it before ``destroy_process_group`` (an exit hook calls it otherwise).
-        """
+        """Release the worker ranks and this engine's CUDA graphs; idempotent. Under torchrun, call it before
+        ``destroy_process_group``."""
         if self._closed:
             return
         self._closed = True

@@ -1,13 +1,7 @@
-"""OpenAI request and response shapes, for the batch files of jobs and for the server: ``/v1/chat/completions``
-and ``/v1/completions`` bodies to prompts and SamplingParams, finished requests to ``chat.completion`` /
-``text_completion`` bodies and streamed chunks, and the lines of an OpenAI Batch file (``{"custom_id", "method",
-"url", "body"}`` in, ``{"id", "custom_id", "response", "error"}`` out). Nothing here reads files or sockets.
+"""OpenAI request and response shapes for job batch files and the server; nothing here reads files or sockets.
 
-A request that cannot be served becomes a result line with ``"response": null`` and ``"error": {"code",
-"message"}``. Parameters a body leaves out (or sets to null) take the configured ``sampling`` defaults, as a
-native row's do. Beyond OpenAI's parameters, ``top_k``, ``ignore_eos`` and ``stop_token_ids`` are accepted
-(as vLLM does); parameters that change the output and are not implemented (penalties, ``logit_bias``, tools,
-``echo``...) are refused by name rather than ignored.
+Parameters that change the output but are not implemented (penalties, ``logit_bias``, tools...) are refused
+by name rather than ignored.
 """
 
 from __future__ import annotations
@@ -22,7 +16,7 @@ from runtime.sampling_params import SamplingParams
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 URLS = (CHAT, COMPLETIONS)
-MIN_LOGPROB = -9999.0  # OpenAI's value for "very unlikely"; also keeps -inf out of the JSON
+MIN_LOGPROB = -9999.0  # OpenAI's "very unlikely"; keeps -inf out of the JSON
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "logprobs", "user",
            "top_k", "ignore_eos", "stop_token_ids"}
@@ -34,7 +28,7 @@ _ALLOWED = {
 _NEUTRAL: dict[str, tuple[Any, ...]] = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
                                         "stream": (False,), "logit_bias": ({},), "echo": (False,),
                                         "best_of": (1,), "suffix": ("",)}
-_STREAMING = {"stream", "stream_options"}  # the server's, not a batch line's
+_STREAMING = {"stream", "stream_options"}
 _PASSED = ("temperature", "top_p", "n", "stop", "seed", "top_k", "ignore_eos", "stop_token_ids")
 
 
@@ -48,17 +42,15 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class Request:
-    """What the response needs besides the engine's output."""
 
-    url: str  # CHAT or COMPLETIONS
-    model: str | None  # echoed when given
-    logprobs: int | None  # None: no logprobs; k: the sampled token's and k alternatives per position
-    stream: bool = False  # server: server-sent chunks
-    include_usage: bool = False  # server, streaming: a last chunk with the usage
+    url: str
+    model: str | None
+    logprobs: int | None
+    stream: bool = False
+    include_usage: bool = False
 
 
 def parse_line(obj: Any, defaults: SamplingParams) -> tuple[Any, SamplingParams, Request]:
-    """A batch input line (parsed JSON, with ``custom_id`` checked by the caller) to (prompt, sampling, request)."""
     method = obj.get("method")
     if method != "POST":
         raise RequestError("invalid_method", f"method {method!r} is not supported: batch lines are POST requests")
@@ -72,14 +64,13 @@ def parse_line(obj: Any, defaults: SamplingParams) -> tuple[Any, SamplingParams,
 
 
 def parse_body(url: str, body: dict[str, Any], defaults: SamplingParams) -> tuple[Any, SamplingParams, Request]:
-    """A batch line's body of ``url`` to (prompt, sampling, request); raises RequestError naming what is wrong."""
+    """A batch line's body to (prompt, sampling, request); raises RequestError naming what is wrong."""
     prompts, sampling, request = _parse(url, body, defaults, server=False)
     return prompts[0], sampling, request
 
 
 def parse_request(url: str, body: Any, defaults: SamplingParams) -> tuple[list[Any], SamplingParams, Request]:
-    """A server request's body to (prompts, sampling, request): streaming allowed, and a completion may hold
-    several prompts (their choices come prompt by prompt, ``n`` each)."""
+    """A server request's body to (prompts, sampling, request); a completion may hold several prompts."""
     if not isinstance(body, dict):
         raise RequestError("invalid_request", f"the request body must be a JSON object, not {type(body).__name__}")
     return _parse(url, body, defaults, server=True)
@@ -103,7 +94,7 @@ def _parse(url: str, body: dict[str, Any], defaults: SamplingParams, server: boo
         raise RequestError("invalid_request", f"'model' must be a string, not {model!r}")
     prompts = [_messages(body.get("messages"))] if url == CHAT else _prompts(body.get("prompt"), many=server)
     values = {name: body[name] for name in _PASSED if name in body}
-    names = {"max_new_tokens": "max_tokens"}  # ours -> theirs, for error messages
+    names = {"max_new_tokens": "max_tokens"}
     lengths = {k: body[k] for k in ("max_completion_tokens", "max_tokens") if k in body}
     if len(set(map(repr, lengths.values()))) > 1:
         raise RequestError("invalid_request", f"max_tokens and max_completion_tokens differ: {lengths}")
@@ -164,7 +155,7 @@ def _messages(value: Any) -> list[dict[str, str]]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise RequestError("invalid_request", f"messages[{i}] must be an object with a string 'role'")
         content = message.get("content")
-        if isinstance(content, list):  # content parts: text only
+        if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
@@ -179,11 +170,10 @@ def _messages(value: Any) -> list[dict[str, str]]:
     return messages
 
 
-MAX_PROMPTS = 1024  # prompts in one server request
+MAX_PROMPTS = 1024
 
 
 def _prompts(value: Any, many: bool) -> list[str | list[int]]:
-    """The prompt(s): a string, token ids, or (server) a list of either."""
     if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
         if len(value) > 1 and not many:
             raise RequestError("invalid_request", f"'prompt' holds {len(value)} prompts; a batch line takes one "
@@ -204,7 +194,6 @@ def _prompt(value: Any) -> str | list[int]:
     raise RequestError("invalid_request", "'prompt' must be a string, a non-empty list of token ids, or a list of these")
 
 
-# ---- responses ----------------------------------------------------------------------------------------------
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -222,8 +211,8 @@ def _byte_decoder() -> dict[str, int]:
 
 
 class TokenText:
-    """A token's text and its UTF-8 bytes for logprobs. Bytes come from the vocabulary entry where it is
-    byte-level (a token that splits a character still has its own bytes), else from the decoded text."""
+    """A token's text and UTF-8 bytes; from the byte-level vocabulary entry where there is one, so a token that
+    splits a character still has its own bytes."""
 
     _decoder = _byte_decoder()
 
@@ -253,7 +242,7 @@ class TokenText:
 
 
 def _logprob(value: float) -> float:
-    return value if value >= MIN_LOGPROB else MIN_LOGPROB  # NaN-free: -inf and underflows become the floor
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB
 
 
 def _chat_logprobs(entries: list[dict[str, Any]], k: int, tokens: TokenText) -> dict[str, Any]:
@@ -282,8 +271,7 @@ def _completion_logprobs(entries: list[dict[str, Any]], k: int, tokens: TokenTex
 
 def response_body(request: Request, output: Any, tokens: TokenText, model: str, created: int,
                   key: str) -> dict[str, Any]:
-    """The ``chat.completion`` or ``text_completion`` body of a finished request (``output``: a RequestOutput,
-    one choice per sample); ``key`` names the request and makes the body's id."""
+    """The ``chat.completion`` or ``text_completion`` body of a finished request; ``key`` makes the body's id."""
     chat = request.url == CHAT
     choices = []
     for sample in output.outputs:
@@ -316,19 +304,17 @@ def _response_id(request: Request, key: str) -> str:
 
 
 def chunk(request: Request, key: str, model: str, created: int, choices: list[dict[str, Any]]) -> dict[str, Any]:
-    """A streamed ``chat.completion.chunk`` / ``text_completion`` chunk (``choices`` from ``chunk_choice``)."""
     body = {"id": _response_id(request, key),
             "object": "chat.completion.chunk" if request.url == CHAT else "text_completion",
             "created": created, "model": request.model or model, "choices": choices}
     if request.include_usage:
-        body["usage"] = None  # only the last chunk carries it
+        body["usage"] = None
     return body
 
 
 def chunk_choice(request: Request, index: int, text: str | None, finish_reason: str | None,
                  entries: list[dict[str, Any]] | None, tokens: TokenText, text_offset: int = 0,
                  role: bool = False) -> dict[str, Any]:
-    """One choice's piece of a chunk: ``text`` new since the last one, the logprob ``entries`` of its tokens."""
     logprobs = None
     if request.logprobs is not None and entries:
         if request.url == CHAT:
@@ -345,35 +331,30 @@ def chunk_choice(request: Request, index: int, text: str | None, finish_reason: 
 
 def usage_chunk(request: Request, key: str, model: str, created: int, prompt_tokens: int,
                 completion_tokens: int) -> dict[str, Any]:
-    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the usage."""
     return {**chunk(request, key, model, created, []), "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def error_body(message: str, code: str | None = None, param: str | None = None,
                kind: str = "invalid_request_error") -> dict[str, Any]:
-    """OpenAI's error response body."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def result_line(custom_id: str, key: str, body: dict[str, Any]) -> dict[str, Any]:
-    """A batch output line for a served request."""
     return {"id": "batch_req_" + _digest(key), "custom_id": custom_id,
             "response": {"status_code": 200, "request_id": "req_" + _digest(key), "body": body}, "error": None}
 
 
 def error_line(custom_id: str | None, key: str, code: str, message: str) -> dict[str, Any]:
-    """A batch output line for a request that could not be served (its id differs from a result's)."""
     return {"id": "batch_req_" + _digest("error " + key), "custom_id": custom_id, "response": None,
             "error": {"code": code, "message": message}}
 
 
 def engine_error_code(message: str) -> str:
-    """The code for a request the engine refused (the message says why)."""
     return "context_length_exceeded" if "maximum sequence length" in message else "invalid_request"
 
 
 def is_served(line: dict[str, Any]) -> bool:
-    """A result line with a response (an error line is retried by the next run)."""
+    """A result line with a response (error lines are retried by the next run)."""
     return isinstance(line, dict) and isinstance(line.get("response"), dict) and line.get("error") is None
 
 

@@ -1,18 +1,8 @@
-"""One writer per output: an exclusive ``flock`` on ``<output>.lock`` (and ``<output>.lock-<r>`` for the part
-file of replica r) for as long as a run writes there.
+"""One writer per output: an exclusive ``flock`` on ``<output>.lock`` (and ``.lock-<r>`` for replica r's part).
 
-The lock file says who holds it (host, pid, start time), so the run that is refused can name the holder. The
-operating system drops a ``flock`` when its process dies however it dies, so a run killed with SIGKILL never
-blocks its own resume: the file it leaves behind is stale text, replaced by the next holder. A run that finds
-the lock held waits ``job.lock_wait_s`` for it first: killing a torchrun launcher leaves its ranks running
-until they notice (15 s here), and a rerun started at once should wait for them, not fail.
-
-Shared filesystems: on Linux NFS (v3 with lockd, v4) ``flock`` is sent to the server as a whole-file lock and
-holds across client machines; a lock of a client that crashed is released when the server's lease expires
-(about 90 s on NFSv4), and until then a resume from another machine is refused. Lustre honours it across
-clients only when mounted with ``-o flock``; with ``localflock`` it holds on one node only, and with
-``noflock`` the call fails: the job then stops with a message saying so (``job.lock=false`` runs without
-the check).
+The OS drops a ``flock`` when its process dies, so a killed run never blocks its own resume. A run that finds
+the lock held waits ``job.lock_wait_s`` first, since a killed torchrun's ranks take a while to exit. On NFS the
+lock holds across clients; Lustre needs ``-o flock`` (``job.lock=false`` runs without the check).
 """
 
 from __future__ import annotations
@@ -39,8 +29,8 @@ class OutputLocked(RuntimeError):
 
 
 def lock_path(output: Path, replica: int = 0) -> Path:
-    """``<output>.lock`` for the output itself (replica 0), ``<output>.lock-<r>`` for replica r's part (not
-    ``<output>.part-...``: that name is for part files, and tools list those by it)."""
+    """``<output>.lock`` for replica 0, ``<output>.lock-<r>`` for replica r (not ``.part-``: tools list parts
+    by that name)."""
     return output.with_name(f"{output.name}.lock" + (f"-{replica}" if replica else ""))
 
 
@@ -53,8 +43,8 @@ class OutputLock:
     """``with OutputLock(path, what):`` holds ``path`` exclusively or raises ``OutputLocked`` at once."""
 
     def __init__(self, path: Path, what: str, wait_s: float = 0.0) -> None:
-        self.path, self.what = path, what  # ``what``: the output as the error message names it
-        self.wait_s = wait_s  # a holder that is exiting (the ranks of a killed torchrun) gets this long
+        self.path, self.what = path, what
+        self.wait_s = wait_s  # a holder that is exiting gets this long
         self.fd: int | None = None
 
     def acquire(self) -> None:
@@ -82,8 +72,8 @@ class OutputLock:
                                        "on Lustre mount with -o flock, or set job.lock=false to run without the "
                                        "one-writer check") from None
                 raise
-            # The file may have been removed by its previous holder between our open and our lock: the lock
-            # then guards a name nobody else sees. Only a lock on the file the path names now counts.
+            # The previous holder may have removed the file between our open and our lock: only a lock on the file the
+            # path names now counts.
             try:
                 same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:

@@ -1,17 +1,7 @@
-"""Parquet output (``job.output=*.parquet``): the JSONL result columns plus the kept ones, written so that a
-kill loses at most the rows not yet flushed.
+"""Parquet output (``job.output=*.parquet``), written so that a kill loses at most the rows not yet flushed.
 
-A Parquet file can be read only once its footer is written, and pyarrow cannot append to a closed file. So
-finished rows are buffered and flushed as a small, complete Parquet file of their own,
-``<output>.part-<replica>-<run>-<n>`` (written under a hidden name, synced, then renamed: it is there whole
-or not at all), every ``job.row_group_rows`` rows or ``job.fsync_every_s`` seconds. At the end of a run, or
-at the start of the next one after a kill, the first replica folds the output and every part into a new
-output file (again written aside and renamed over it, ids that appear twice kept once), then deletes the
-parts. Resume reads the ids of the output and of every part.
-
-Column types: ``id`` is int64 or string (as in the output already there, else the table's id column, else the
-input's first row); logprob entries are ``{token_id, logprob, top: [{token_id, logprob}]}`` structs; kept
-columns keep their input type.
+pyarrow cannot append to a closed file, so rows are flushed as small complete part files (written aside and
+renamed), which the first replica folds into the output at the end of a run or the start of the next.
 """
 
 from __future__ import annotations
@@ -42,7 +32,7 @@ _CHOICE = pa.struct([("index", pa.int64()), ("text", pa.string()), ("finish_reas
 
 
 def result_schema(id_type: str, kept: list[pa.Field], id_note: str | None = None) -> pa.Schema:
-    """The output's columns: those of a JSONL result row (absent keys are nulls), then the kept ones."""
+    """The output's columns: those of a JSONL result row, then the kept ones."""
     fields = [
         pa.field("id", pa.int64() if id_type == "int" else pa.string()),
         pa.field("text", pa.string()), pa.field("finish_reason", pa.string()),
@@ -63,7 +53,6 @@ def _entries(entries: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
 
 
 def _parquet_row(record: dict[str, Any]) -> dict[str, Any]:
-    """A JSONL result row (plus kept values) in the Parquet columns' shapes."""
     row = dict(record)
     for key in ("logprobs", "prompt_logprobs"):
         row[key] = _entries(row.get(key))
@@ -73,7 +62,7 @@ def _parquet_row(record: dict[str, Any]) -> dict[str, Any]:
 
 
 class ParquetSink:
-    """Buffers one replica's result rows and flushes them as part files (see the module's docstring)."""
+    """Buffers one replica's result rows and flushes them as part files."""
 
     def __init__(self, output: Path, replica: int, schema: pa.Schema, row_group_rows: int,
                  flush_every_s: float) -> None:
@@ -122,8 +111,7 @@ def write_table_atomic(table: pa.Table, path: Path, row_group_rows: int) -> None
 
 
 def _readable(files: list[Path]) -> Iterator[tuple[Path, pq.ParquetFile]]:
-    """The files that open as Parquet; any other (damaged on disk) is renamed aside with a warning, and its
-    rows are served again."""
+    """The files that open as Parquet; a damaged one is renamed aside with a warning and its rows served again."""
     for f in files:
         try:
             yield f, pq.ParquetFile(f)
@@ -158,8 +146,7 @@ def done_keys(output: Path) -> set[str]:
 
 
 def merge_parts(output: Path, row_group_rows: int) -> int:
-    """Fold every part into the output (ids already there are not added twice), then delete the parts; returns
-    the rows added. A kill at any point leaves the output whole and the parts (or their rows) in place."""
+    """Fold every part into the output, then delete the parts; a kill at any point leaves no row lost or doubled."""
     for stale in output.parent.glob(glob.escape(f".{output.name}.part-") + "*.tmp"):
         stale.unlink()  # a flush killed before its rename
     parts = part_files(output)
@@ -179,8 +166,7 @@ def merge_parts(output: Path, row_group_rows: int) -> int:
     pending: list[pa.RecordBatch] = []
     with open(tmp, "wb") as f, pq.ParquetWriter(f, schema) as writer:
         def write(last: bool) -> None:
-            """Whole row groups of what is pending (everything, ``last``): the output's row groups are full
-            whatever the sizes of the parts."""
+            """Whole row groups of what is pending (everything, ``last``)."""
             rows = sum(b.num_rows for b in pending)
             if not pending or (rows < row_group_rows and not last):
                 return
@@ -191,7 +177,7 @@ def merge_parts(output: Path, row_group_rows: int) -> int:
 
         for path, reader in sources:
             for batch in reader.iter_batches(batch_size=row_group_rows):
-                batch = pa.RecordBatch.from_arrays(batch.columns, schema=schema)  # the output's metadata
+                batch = pa.RecordBatch.from_arrays(batch.columns, schema=schema)
                 keys = _keys(batch.column(0).to_pylist())
                 keep = [k not in seen and not seen.add(k) for k in keys]
                 if not all(keep):
@@ -209,6 +195,6 @@ def merge_parts(output: Path, row_group_rows: int) -> int:
     for path, _ in sources:
         if path != output:
             path.unlink()
-    for part in part_files(output):  # unreadable ones were moved aside; anything left is no part of ours
+    for part in part_files(output):
         log.warning("%s was not merged into %s", part, output)
     return added

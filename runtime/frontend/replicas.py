@@ -1,13 +1,8 @@
 """How the data-parallel replicas of one job share it, through the torchrun store.
 
-Each replica (a TP group; its leader runs a scheduler) claims rows from one shared
-counter a few at a time, as its scheduler has room, so a replica that finishes early
-simply claims more. Replicas never meet in a collective: a replica waiting for the
-others (a barrier) could wait longer than any collective timeout. The store is a
-key-value server every rank reaches, with atomic ``add``; keys carry the torchrun
-restart count, so a restarted job never reads its previous attempt's counters.
-
-With one replica everything stays in this process and no store is touched.
+Replicas claim rows from one shared counter and never meet in a collective: a replica waiting for the others
+could outlast any collective timeout. Keys carry the torchrun restart count, so a restarted job never reads
+its previous attempt's counters.
 """
 
 from __future__ import annotations
@@ -21,15 +16,14 @@ from typing import Any
 from parallel.state import get_store, get_tp
 from runtime.frontend.signals import Drain
 
-BARRIER_GRACE_S = 10.0  # after a drain's timeout, how long a barrier still waits for the other replicas
-DRAIN_POLL_S = 0.5  # how often a replica looks for another replica's drain request
-PROGRESS_PUSH_S = 0.5  # how often a replica adds its finished rows to the shared count (one store call)
-_jobs_started = 0  # every leader runs the same jobs in the same order: the n-th job's keys are shared
+BARRIER_GRACE_S = 10.0  # after a drain's timeout, how long a barrier still waits
+DRAIN_POLL_S = 0.5
+PROGRESS_PUSH_S = 0.5
+_jobs_started = 0  # every leader runs the same jobs in order: the n-th job's keys are shared
 
 
 def number_next_job(number: int) -> None:
-    """The next job's number, for callers that run several jobs on ranks that did not all start each one
-    (a sweep whose TP workers of one run are leaders of another): every rank then names the same store keys."""
+    """The next job's number, for ranks that did not all start each job (a sweep), so all name the same keys."""
     global _jobs_started
     _jobs_started = number - 1
 
@@ -43,17 +37,16 @@ class Replicas:
         self.index, self.count = info.dp_rank, info.dp_size
         self.store = get_store() if self.count > 1 else None
         self.prefix = f"tpinfer/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/job{_jobs_started}"
-        self.keepalive = keepalive  # called while waiting (TP workers must not time out in their receive)
+        self.keepalive = keepalive  # TP workers must not time out in their receive
         self.drain, self.drain_timeout_s = drain, drain_timeout_s
-        self._claimed = 0  # one replica: the local counter
+        self._claimed = 0
         self._drain_published = False
         self._last_poll = 0.0
-        self._finished = self._pushed = self._finished_all = 0  # rows: here, here and shared, every replica's
+        self._finished = self._pushed = self._finished_all = 0
         self._last_push = float("-inf")
 
     @property
     def first(self) -> bool:
-        """Replica 0: it repairs and merges the shared files and writes the metrics."""
         return self.index == 0
 
     def claim(self, count: int, total: int) -> range:
@@ -63,16 +56,14 @@ class Replicas:
         if self.store is None:
             start, self._claimed = self._claimed, self._claimed + count
             return range(min(start, total), min(start + count, total))
-        # Guided self-scheduling: take at most a share of what is left, so the last rows are dealt
-        # out one or two at a time and no replica sits on rows another could be running.
+        # Guided self-scheduling: take at most a share of what is left so no replica sits on rows at the end.
         count = min(count, max(1, (total - self._claimed) // (4 * self.count)))
         end = self.store.add(f"{self.prefix}/next", count)
-        self._claimed = end  # everyone's claims so far, as of now
+        self._claimed = end
         return range(min(end - count, total), min(end, total))
 
     def finished(self, count: int = 1) -> int:
-        """Count ``count`` rows finished by this replica; returns the rows every replica finished so far, for
-        the progress bar (the others' counts arrive every ``PROGRESS_PUSH_S`` at most)."""
+        """Count rows finished here; returns every replica's finished rows so far (others' arrive with a delay)."""
         self._finished += count
         if self.store is None:
             return self._finished
@@ -84,8 +75,7 @@ class Replicas:
         return self._finished_all + self._finished - self._pushed
 
     def share_drain(self, drain: Drain) -> None:
-        """``Drain.sync`` while a job runs: this replica's signal to the others, theirs to this one (polled at
-        most every ``DRAIN_POLL_S``, so the step loop's check stays cheap)."""
+        """``Drain.sync`` while a job runs: drains are shared between replicas, polled at most every ``DRAIN_POLL_S``."""
         key = f"{self.prefix}/drain"
         if drain.signum is not None:
             if not self._drain_published:
@@ -96,7 +86,7 @@ class Replicas:
         if now - self._last_poll >= DRAIN_POLL_S:
             self._last_poll = now
             if self.store.check([key]):
-                self._drain_published = True  # it came from there
+                self._drain_published = True
                 drain.request(int(self.store.get(key)), source="another replica")
 
     def barrier(self, name: str) -> None:
@@ -113,7 +103,6 @@ class Replicas:
                 self.keepalive()
                 last_keepalive = time.monotonic()
             if self.drain is not None and self.drain.expired(self.drain_timeout_s + BARRIER_GRACE_S):
-                # A replica that is still alive drains within its timeout; one that never comes is dead.
                 raise RuntimeError(f"not every replica reached '{name}' after the drain; finished rows are on disk")
 
     def gather(self, mine: dict[str, Any]) -> list[dict[str, Any]]:

@@ -12,20 +12,17 @@ from runtime.output import SampleOutput
 
 @dataclass
 class RequestOutput:
-    """One prompt's result. The flat fields are sample 0's (what n = 1 always returned); ``outputs``
-    holds every sample (``SamplingParams.n``) in sample order, sample 0 first."""
+    """One prompt's result: the flat fields are sample 0's; ``outputs`` holds every sample, sample 0 first."""
 
     index: int
     text: str = ""
     token_ids: list[int] | None = None
-    finish_reason: str | None = None  # "stop" | "length"; None with an error
+    finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
-    # {"token_id", "logprob", "top": [[token_id, logprob], ...]} per generated token (sampling.logprobs set).
     logprobs: list[TokenLogprob] | None = None
-    cumulative_logprob: float | None = None  # the sum of the generated tokens' logprobs (same condition)
-    # None for the first prompt token, then one entry per prompt token (sampling.prompt_logprobs set).
+    cumulative_logprob: float | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     outputs: list[SampleOutput] = field(default_factory=list)
 
@@ -35,8 +32,7 @@ class RequestOutput:
 
 
 class Results:
-    """Collects the results of one ``LLM.run``: keyed by input position, a prompt complete once all its
-    samples are; ``on_result(key, output)`` fires as each prompt completes."""
+    """Collects the results of one ``LLM.run`` by input position; a prompt completes once all its samples do."""
 
     def __init__(self, decode: Callable[[list[int]], str], on_result: Callable[[Any, RequestOutput], None] | None):
         self.decode = decode
@@ -61,7 +57,7 @@ class Results:
         del self._samples[req.index]
         samples.sort(key=lambda s: s.sample_index)
         first = samples[0]
-        prompt_owner = req.leader or req  # the prompt's logprobs were computed by sample 0
+        prompt_owner = req.leader or req
         self._complete(RequestOutput(
             index=req.index, text=first.text, token_ids=first.token_ids, finish_reason=first.finish_reason,
             prompt_tokens=req.prompt_len, completion_tokens=first.completion_tokens, logprobs=first.logprobs,

@@ -1,8 +1,6 @@
 """The OpenAI-compatible HTTP server: ``python launch.py serve`` (rank 0 of a replica; its TP ranks follow).
 
-aiohttp: one well-kept package with a C HTTP parser, streaming responses for server-sent events, and a
-lifecycle we own (``AppRunner``: no signal handlers of its own, so SIGTERM drains as it does for jobs).
-Request and response bodies are ``openai_api``'s, the same as an OpenAI batch job's.
+aiohttp's ``AppRunner`` installs no signal handlers of its own, so SIGTERM drains as it does for jobs.
 """
 
 from __future__ import annotations
@@ -27,8 +25,8 @@ from runtime.frontend.serving import Call, Serving
 from runtime.frontend.tokenizer import IncrementalDetokenizer, load_tokenizer
 from runtime.output import SampleOutput
 
-DISCONNECT_POLL_S = 1.0  # a waiting request checks this often whether its client is still there
-HANDLER_GRACE_S = 5.0  # at shutdown, in-flight responses get this long to send their last bytes
+DISCONNECT_POLL_S = 1.0
+HANDLER_GRACE_S = 5.0  # at shutdown, in-flight responses get this long to finish
 log = logging.getLogger("tpinfer.server")
 
 
@@ -82,7 +80,6 @@ def build_app(state: ServerState) -> web.Application:
     return app
 
 
-# ---- endpoints ----------------------------------------------------------------------------------------------
 async def _models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     return web.json_response({"object": "list", "data": [
@@ -145,7 +142,7 @@ async def _complete(request: web.Request, url: str) -> web.StreamResponse:
     if spec.stream:
         return await _stream(request, state, call, spec, key, created)
     if not await _wait(request, state, call):
-        return web.Response(status=499)  # nobody reads it
+        return web.Response(status=499)
     if call.cut:
         return _error(503, "the request was cut short: the server is shutting down", "unavailable")
     samples = [replace(SampleOutput.from_req(r, _final_text(state.llm, r)), sample_index=i)
@@ -155,7 +152,6 @@ async def _complete(request: web.Request, url: str) -> web.StreamResponse:
                              dumps=_dumps)
 
 
-# ---- waiting and streaming ----------------------------------------------------------------------------------
 def _gone(request: web.Request) -> bool:
     return request.transport is None or request.transport.is_closing()
 
@@ -192,7 +188,7 @@ def visible_end(text: str, start: int, stops: list[str]) -> int:
 
 
 class _ChoiceStream:
-    """One choice's progress through a stream: tokens, text and logprob entries sent so far."""
+    """One choice's progress through a stream."""
 
     def __init__(self, llm: LLM, req: Any) -> None:
         self.llm, self.req = llm, req
@@ -235,8 +231,8 @@ _MARK = "\x00text\x00"
 
 
 def _text_chunk_template(spec: api.Request, key: str, model: str, created: int, index: int) -> tuple[bytes, bytes]:
-    """The bytes of choice ``index``'s chunk around its text, built once a stream: most chunks only splice a
-    text in, and the step loop needs the host more than a JSON encoder does."""
+    """Choice ``index``'s chunk bytes around its text, built once per stream: the step loop needs the host more
+    than a JSON encoder does."""
     piece = api.chunk_choice(spec, index, _MARK, None, None, None)
     head, tail = _event(api.chunk(spec, key, model, created, [piece])).split(_dumps(_MARK).encode())
     return head, tail
@@ -250,7 +246,7 @@ async def _stream(request: web.Request, state: ServerState, call: Call, spec: ap
     plain = [_text_chunk_template(spec, key, state.model, created, i) for i in range(len(choices))]
     try:
         await response.prepare(request)
-        if spec.url == api.CHAT:  # the role comes first, as OpenAI sends it
+        if spec.url == api.CHAT:
             first = [api.chunk_choice(spec, i, "", None, None, state.tokens, role=True) for i in range(len(choices))]
             await response.write(_event(api.chunk(spec, key, state.model, created, first)))
         while True:
@@ -261,10 +257,10 @@ async def _stream(request: web.Request, state: ServerState, call: Call, spec: ap
                 if choice.done:
                     continue
                 text, entries, reason, offset, new = choice.advance()
-                if reason is None and not entries and new:  # the common chunk: only its text is new
+                if reason is None and not entries and new:
                     head, tail = plain[i]
                     out += head + _dumps(text).encode() + tail
-                elif new or reason:  # a chunk per batch of tokens, even one whose text is held back
+                elif new or reason:
                     piece = api.chunk_choice(spec, i, text, reason, entries, state.tokens, offset)
                     out += _event(api.chunk(spec, key, state.model, created, [piece]))
             if out:
@@ -272,7 +268,7 @@ async def _stream(request: web.Request, state: ServerState, call: Call, spec: ap
             if all(c.done for c in choices):
                 break
             if interval > 0:
-                await asyncio.sleep(interval)  # tokens gather meanwhile: fewer, larger chunks
+                await asyncio.sleep(interval)  # fewer, larger chunks
         if spec.include_usage:
             completion = sum(len(r.output_ids) for r in call.reqs)
             await response.write(_event(api.usage_chunk(spec, key, state.model, created, call.prompt_tokens,
@@ -280,7 +276,7 @@ async def _stream(request: web.Request, state: ServerState, call: Call, spec: ap
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
     except ConnectionError:
-        state.serving.abort(call)  # the client went away: its pages come back at the next step
+        state.serving.abort(call)
     except asyncio.CancelledError:
         state.serving.abort(call)
         raise
@@ -300,7 +296,6 @@ async def _wait_changed(request: web.Request, state: ServerState, call: Call) ->
     return True
 
 
-# ---- running it ---------------------------------------------------------------------------------------------
 def served_model_name(llm: LLM, cfg: ServerSection) -> str:
     return cfg.served_model_name or llm.model_dir.name
 
@@ -327,12 +322,12 @@ async def run_server(llm: LLM, cfg: ServerSection) -> int:
     try:
         while serving.alive:
             if state.accepting and llm.drain is not None and llm.drain.requested:
-                state.accepting = False  # new requests get 503; the step loop finishes or cuts what runs
+                state.accepting = False
                 log.warning("draining: in-flight requests finish within job.drain_timeout_s=%s",
                             llm.cfg.job.drain_timeout_s)
             await asyncio.sleep(0.1)
         state.accepting = False
-        await asyncio.sleep(0)  # let the handlers the loop woke last send their answers
+        await asyncio.sleep(0)
     finally:
         serving.stop()
         await runner.cleanup()

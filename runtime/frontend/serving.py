@@ -1,8 +1,7 @@
-"""The server's engine side: the step loop on a thread of its own, fed from the HTTP front end's event loop.
+"""The server's engine side: the step loop on its own thread, fed from the HTTP event loop through a queue.
 
-Requests cross into the loop through a queue that the loop drains before each decision (blocking briefly
-only while it has nothing to run); progress crosses back as one ``call_soon_threadsafe`` per step that
-wakes the calls whose requests got tokens. Everything that touches the scheduler runs on the loop's thread.
+Everything that touches the scheduler runs on the loop's thread; progress crosses back as one
+``call_soon_threadsafe`` per step.
 """
 
 from __future__ import annotations
@@ -18,22 +17,22 @@ from dataclasses import dataclass, field
 from runtime.batch import Req
 from runtime.frontend.llm import LLM
 
-IDLE_WAIT_S = 0.2  # with nothing to run, the loop sleeps on the queue this long (TP: then it tells the workers)
+IDLE_WAIT_S = 0.2  # with nothing to run, how long the loop sleeps on the queue
 log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
 class Call:
-    """One HTTP request in flight: its requests (one per choice: prompts x n samples, in choice order)."""
+    """One HTTP request in flight: one request per choice, in choice order."""
 
     reqs: list[Req]
     prompt_tokens: int
     stream: bool
     loop: asyncio.AbstractEventLoop
-    changed: asyncio.Event = field(default_factory=asyncio.Event)  # set on the event loop: tokens or finish
+    changed: asyncio.Event = field(default_factory=asyncio.Event)  # set on the event loop
     started: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None  # when the first token reached the host (time to first token)
-    done: int = 0  # requests finished (engine thread)
+    first_token_at: float | None = None
+    done: int = 0  # engine thread
 
     @property
     def finished(self) -> bool:
@@ -41,7 +40,7 @@ class Call:
 
     @property
     def cut(self) -> bool:
-        """Some choice was aborted (a shutdown cut it, or its client left)."""
+        """Some choice was aborted."""
         return any(r.finish_reason == "abort" for r in self.reqs)
 
 
@@ -61,13 +60,12 @@ class Serving:
         self.observer = observer or Observer()
         self._inbox: queue.SimpleQueue[Call] = queue.SimpleQueue()
         self._aborts: queue.SimpleQueue[Call] = queue.SimpleQueue()
-        self._calls: dict[int, Call] = {}  # request uid -> its call (loop thread only)
+        self._calls: dict[int, Call] = {}  # loop thread only
         self._woken: list[Call] = []
         self._stopping = False
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="step-loop", daemon=True)
 
-    # ---- the event loop's side ---------------------------------------------------------------------------
     def start(self) -> None:
         self.thread.start()
 
@@ -75,7 +73,7 @@ class Serving:
         self._inbox.put(call)
 
     def abort(self, call: Call) -> None:
-        """The client went away: its requests stop at the next step and their KV pages come back."""
+        """The client went away: its requests stop at the next step."""
         self._aborts.put(call)
 
     def stop(self) -> None:
@@ -91,7 +89,6 @@ class Serving:
     def alive(self) -> bool:
         return self.thread.is_alive()
 
-    # ---- the loop's thread -------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
             self.llm.step_loop(self._finished, self._refill, on_tokens=self._on_tokens)
@@ -117,7 +114,7 @@ class Serving:
             self._close(call)
         if self._stopping or (self.llm.drain is not None and self.llm.drain.requested):
             return False
-        try:  # block only with nothing to run; a new request ends the wait at once
+        try:
             call = self._inbox.get(timeout=IDLE_WAIT_S) if self.llm.scheduler.idle else self._inbox.get_nowait()
             while True:
                 self._admit(call)
@@ -131,7 +128,7 @@ class Serving:
             self._calls[req.uid] = call
         try:
             for req in call.reqs:
-                self.llm.scheduler.add(req)  # checked by the front end already: this does not raise
+                self.llm.scheduler.add(req)  # checked by the front end already: does not raise
         except ValueError:
             log.exception("a request the front end accepted was refused")
             for req in call.reqs:
@@ -179,7 +176,7 @@ class Serving:
         for loop, calls in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_set_all, calls)
-            except RuntimeError:  # the event loop is closed: nobody waits any more
+            except RuntimeError:  # the event loop is closed
                 pass
 
 

@@ -1,10 +1,5 @@
-"""Graceful drain on SIGTERM / SIGUSR1 (Slurm preemption and time limits).
-
-Each replica's leader stops admitting requests, finishes what is in flight for a
-bounded time, flushes its outputs and exits with ``EXIT_PREEMPTED`` so a Slurm
-script can requeue the job; the rerun skips the rows already written. A leader
-passes the request on to the other replicas (``runtime.frontend.replicas``). Worker
-ranks ignore the signals: they follow their leader until it tells them to stop.
+"""Graceful drain on SIGTERM / SIGUSR1 (Slurm preemption): leaders finish in-flight rows for a bounded time
+and exit ``EXIT_PREEMPTED`` so the job can be requeued; worker ranks ignore the signals and follow their leader.
 """
 
 from __future__ import annotations
@@ -17,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-EXIT_PREEMPTED = 143  # 128 + SIGTERM: "interrupted, resumable"
+EXIT_PREEMPTED = 143
 # Ctrl-C drains too; a second Ctrl-C interrupts at once.
 DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 log = logging.getLogger(__name__)
@@ -27,7 +22,6 @@ log = logging.getLogger(__name__)
 class Drain:
     signum: int | None = None
     since: float = 0.0
-    # Data parallelism: passes requests between replicas (``Replicas.share_drain``) on every check.
     sync: Callable[[Drain], None] | None = None
 
     @property

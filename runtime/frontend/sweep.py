@@ -2,23 +2,9 @@
 
     python launch.py --sweep-file configs/sweeps/example.yaml      # every run, then results.csv / .md / .png
     python launch.py --sweep sampling.temperature=0,0.7 job.input=rows.jsonl   # key=a,b: a grid axis
-    python launch.py --sweep-file sweep.yaml --list                # the runs, their folders and states
-    python launch.py --sweep-file sweep.yaml --collect             # only assemble the results
-    python launch.py --sweep-file sweep.yaml --only-run 3          # one run (a Slurm array task)
-    python launch.py --sweep-file sweep.yaml --slurm               # validate; print the sbatch line, submit nothing
-    python launch.py --nproc-per-node 4 --sweep-file sweep.yaml    # every run over 4 ranks (DP x TP)
 
-The sweep file's format is in ``runtime/frontend/sweep_plan.py``. Every run's config is validated before
-the first run starts. Runs go one after another in this process, each in its own folder under ``out``
-(``output.jsonl``, ``errors.jsonl``, ``metrics.json``, ``output.config.yaml``, ``run.json``). A run whose
-``run.json`` says done is skipped; any other is (re)run through the job's own resume, so a run killed
-half-way keeps its finished rows. Consecutive runs that differ only in ``sampling.*`` / ``job.*`` share
-the loaded model. A failed run is recorded with its error and the sweep goes on (with one process; with
-several, the sweep stops, since the other ranks' state is unknown). A drain signal ends the sweep after
-the current run's in-flight rows, with exit code 143, like a job.
-
-Under torchrun every rank walks the same runs: global rank 0 decides which runs are left and writes
-the records; each TP group's first rank leads its replica, the other ranks follow it, run by run.
+A run whose ``run.json`` says done is skipped; any other is (re)run through the job's own resume. Under
+torchrun every rank walks the same runs; global rank 0 decides which are left and writes the records.
 """
 
 from __future__ import annotations
@@ -67,7 +53,6 @@ log = logging.getLogger("tpinfer.sweep")
 
 @dataclass
 class SweepStats:
-    """What this process did; ``loads`` counts model loads (engine reuse keeps it low)."""
 
     runs: int = 0
     skipped: int = 0
@@ -79,18 +64,15 @@ class SweepStats:
     load_s: float = 0.0
 
 
-last_stats: SweepStats | None = None  # the latest sweep's counts, for callers of main()
+last_stats: SweepStats | None = None
 
 
-# ---- command line --------------------------------------------------------------------------------------------
 def requested(argv: list[str]) -> bool:
-    """Whether ``argv`` asks for a sweep (launch.py hands such command lines to ``main``)."""
     return any(a.split("=", 1)[0] in SWEEP_FLAGS for a in argv)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    # torchrun reads the options of the script it starts as abbreviations of its own (``--run`` would be
-    # ``--run-path``): no flag here may begin one of torchrun's options.
+    # No flag may begin one of torchrun's options: torchrun reads them as abbreviations of its own.
     parser = argparse.ArgumentParser(prog="launch.py", allow_abbrev=False,
                                      description="tpinfer experiment sweeps (runtime/frontend/sweep.py)")
     parser.add_argument("--sweep-file", metavar="FILE", help="a sweep file (base, overrides, grid, zip, name, out)")
@@ -114,15 +96,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str], script: str | None = None, configure_threads: Callable[[int], None] | None = None) -> int:
     """Run, list or collect a sweep; returns the exit code (2: a bad sweep, 143: drained, 1: a run failed).
 
-    ``script``: what torchrun starts for ``--nproc-per-node`` (launch.py). ``configure_threads(local ranks)``
-    runs before torch is imported."""
+    ``configure_threads(local ranks)`` runs before torch is imported."""
     args = parse_args(argv)
     if configure_threads is not None:
         configure_threads(args.nproc_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     only_files = args.collect or args.list
     if only_files:
         world = None
-    elif args.slurm:  # a task's ranks: --nproc-per-node, else one per GPU of the template's header (unknown here)
+    elif args.slurm:  # a task's ranks: --nproc-per-node, else one per GPU of the template
         world = args.nproc_per_node if args.nproc_per_node and args.nproc_per_node > 0 else None
     else:
         world = args.nproc_per_node or int(os.environ.get("WORLD_SIZE", "1"))
@@ -163,7 +144,7 @@ def build_sweep(args: argparse.Namespace) -> Sweep:
     if args.sweep_file:
         plain = args.overrides if not args.sweep else []
         sweep = load_sweep_file(args.sweep_file, configs, plain)
-        if args.sweep:  # axes on the command line join the file's grid
+        if args.sweep:
             extra = shorthand_sweep([], args.overrides)
             clash = set(extra.grid) & set(sweep.swept)
             if clash:
@@ -178,7 +159,6 @@ def build_sweep(args: argparse.Namespace) -> Sweep:
 
 
 def start_ranks(args: argparse.Namespace, script: str | None) -> int:
-    """``--nproc-per-node N``: torchrun starts N ranks of ``script``, each running this sweep."""
     from parallel.launcher import run_torchrun
 
     if args.nproc_per_node < 1:
@@ -194,7 +174,6 @@ def start_ranks(args: argparse.Namespace, script: str | None) -> int:
 
 
 def forwarded_args(args: argparse.Namespace) -> list[str]:
-    """The command line every rank gets: this one without --nproc-per-node."""
     out = [f"--config={c}" for c in args.config or []]
     out += [f"--sweep-file={args.sweep_file}"] if args.sweep_file else []
     out += ["--sweep"] if args.sweep else []
@@ -214,8 +193,7 @@ def print_plan(runs: list[Run], args: argparse.Namespace) -> None:
 
 
 def slurm_command(args: argparse.Namespace, runs: int) -> str:
-    """The shell line that submits this sweep as a Slurm array (task N runs run N), with the variables
-    sweep.sbatch reads. ConfigError where the template cannot run the sweep as given."""
+    """The shell line that submits this sweep as a Slurm array; ConfigError where the template cannot run it."""
     if not args.sweep_file:
         raise ConfigError("the array tasks read the sweep from a file: use --sweep-file FILE")
     if args.sweep or args.config:
@@ -230,7 +208,6 @@ def slurm_command(args: argparse.Namespace, runs: int) -> str:
     cwd = Path.cwd()
     sweep_file = Path(args.sweep_file)
     here = cwd.resolve() == REPO
-    # The template runs launch.py from the submit directory, and reads SWEEP from there.
     env = {"SWEEP": str(sweep_file if here or sweep_file.is_absolute() else (cwd / sweep_file).resolve())}
     if args.overrides:
         env["OVERRIDES"] = " ".join(args.overrides)
@@ -242,9 +219,7 @@ def slurm_command(args: argparse.Namespace, runs: int) -> str:
     return line if here else f"cd {shlex.quote(str(REPO))} && {line}"
 
 
-# ---- running ---------------------------------------------------------------------------------------------------
 def execute(sweep: Sweep, runs: list[Run], only: int | None = None) -> int:
-    """Every run not done yet (or only run ``only``), in this process; returns the exit code."""
     from parallel.distributed import read_torchrun_env, shutdown_distributed
 
     global last_stats
@@ -259,7 +234,7 @@ def execute(sweep: Sweep, runs: list[Run], only: int | None = None) -> int:
         exit_now(130)
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as exc:
         print(f"error on rank {env.rank}: {exc}", file=sys.stderr, flush=True)
-        if env.world_size > 1:  # peers may be stuck in a collective: leave, torchrun ends the others
+        if env.world_size > 1:  # peers may be stuck in a collective
             exit_now(1)
         return 1
     shutdown_distributed()
@@ -267,14 +242,13 @@ def execute(sweep: Sweep, runs: list[Run], only: int | None = None) -> int:
 
 
 class _Sweeper:
-    """One process's walk through the runs; every rank of a torchrun job walks the same ones."""
 
     def __init__(self, sweep: Sweep, runs: list[Run], stats: SweepStats, rank: int, world_size: int) -> None:
         self.sweep, self.runs, self.stats = sweep, runs, stats
-        self.writer = rank == 0  # global rank 0 (replica 0's leader) writes the records and the results
+        self.writer = rank == 0
         self.world_size = world_size
         self.tp_size: int | None = None
-        self.jobs = 0  # jobs started, the same count on every rank
+        self.jobs = 0  # the same count on every rank
         self.prefix = f"tpinfer/sweep/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
     def run(self, only: int | None) -> int:
@@ -291,16 +265,15 @@ class _Sweeper:
                 if stopped:
                     break
         finally:
-            restore_default_signals()  # after the sweep a SIGTERM ends the process as usual
+            restore_default_signals()
         if self.writer:
             self.finish(only, stopped)
         if stopped:
             return EXIT_PREEMPTED
         return 1 if self.stats.failed else 0
 
-    # -- layout and agreement
     def join(self, cfg: RuntimeConfig) -> Any:
-        """This rank's place for ``cfg``'s TP size; new process groups only when the TP size changes."""
+        """This rank's place for ``cfg``'s TP size; new process groups only when it changes."""
         from parallel.distributed import init_distributed
         from parallel.state import get_tp
         from runtime.engine.engine import wants_cuda
@@ -311,8 +284,7 @@ class _Sweeper:
         return get_tp()
 
     def agree_on_todo(self, only: int | None) -> list[Run]:
-        """Global rank 0 decides which runs are left and prepares their folders; every rank gets its list,
-        so no rank sees a run finish that another still counts as to do."""
+        """Global rank 0 decides which runs are left; every rank gets its list, so all ranks agree."""
         from parallel.state import get_store
 
         store = get_store()
@@ -335,7 +307,6 @@ class _Sweeper:
         return [self.runs[i - 1] for i in todo]
 
     def groups(self, todo: list[Run]) -> list[list[Run]]:
-        """Consecutive runs one loaded engine can serve (each run alone with reuse_engine: false)."""
         groups: list[list[Run]] = []
         for run in todo:
             if groups and self.sweep.reuse_engine and groups[-1][-1].engine_key() == run.engine_key():
@@ -345,8 +316,7 @@ class _Sweeper:
         return groups
 
     def agree_to_stop(self, local: bool, run: Run) -> bool:
-        """Replicas stop together: any replica's drain stops every one (else a replica would wait in the next
-        run's barrier for replicas that left)."""
+        """Any replica's drain stops every one, else a replica would wait in the next run's barrier."""
         from parallel.state import get_store, get_tp
 
         tp = get_tp()
@@ -357,14 +327,13 @@ class _Sweeper:
         store.set(f"{key}/{tp.dp_rank}", "1" if local else "0")
         return any(store.get(f"{key}/{r}") == b"1" for r in range(tp.dp_size))
 
-    # -- a TP group's first rank
     def lead(self, group: list[Run], drain: Drain, g: int) -> bool:
-        """Serve ``group``'s runs on one loaded engine; returns whether the sweep stops (a drain)."""
+        """Serve ``group``'s runs on one loaded engine; returns whether the sweep stops."""
         from parallel.state import get_store, get_tp
         from runtime.frontend.llm import LLM
         from runtime.frontend.signals import install_drain_handlers
 
-        install_drain_handlers(drain)  # before the (long) model load: a signal then still drains cleanly
+        install_drain_handlers(drain)  # before the long model load, so a signal still drains cleanly
         llm: LLM | None = None
         stopped = False
         try:
@@ -387,7 +356,7 @@ class _Sweeper:
                     self.fail(run, exc, began, time.perf_counter() - started)
                     if self.world_size > 1:
                         raise
-                    if llm is not None:  # its state after a failure is unknown: the next run loads afresh
+                    if llm is not None:  # its state after a failure is unknown
                         llm.shutdown()
                         llm = None
                     continue
@@ -398,7 +367,7 @@ class _Sweeper:
         finally:
             if llm is not None:
                 llm.shutdown()
-        if get_tp().size > 1:  # tell this replica's other ranks whether another group follows
+        if get_tp().size > 1:
             get_store().set(f"{self.prefix}/group{g}/replica{get_tp().dp_rank}", "stop" if stopped else "go")
         return stopped
 
@@ -409,9 +378,8 @@ class _Sweeper:
             record = run.record() or {}
             write_record(run.dir, {**_record_head(run), "status": RUNNING, "error": "",
                                    "attempts": record.get("attempts", [])})
-            write_atomic(run.paths.config, to_yaml(run.cfg))  # also there when the job never starts
-        # Replicas name their shared store keys by the job's number; a rank that followed as a TP worker in
-        # earlier runs ran fewer jobs itself, so every rank numbers the sweep's jobs the same way.
+            write_atomic(run.paths.config, to_yaml(run.cfg))
+        # Store keys are named by job number; followers ran fewer jobs, so every rank numbers jobs the same way.
         replicas.number_next_job(self.jobs)
         return job.run_job(llm, to_yaml(run.cfg))
 
@@ -441,22 +409,19 @@ class _Sweeper:
             write_record(run.dir, {**_record_head(run), "status": FAILED, "error": message,
                                    "attempts": [*before, attempt]})
 
-    # -- the other ranks of a TP group
     def follow(self, group: list[Run], g: int) -> bool:
-        """Build this rank's engine and follow the group's first rank until it releases us; then learn from it
-        whether the sweep goes on."""
+        """Build this rank's engine and follow the group's first rank; then learn whether the sweep goes on."""
         from parallel.state import get_store, get_tp
         from runtime.frontend.signals import ignore_drain_signals
         from runtime.worker import run_worker
 
-        ignore_drain_signals()  # the group's first rank decides when to stop
+        ignore_drain_signals()
         run_worker(group[0].cfg)
         self.jobs += len(group)
         return get_store().get(f"{self.prefix}/group{g}/replica{get_tp().dp_rank}") == b"stop"
 
     def finish(self, only: int | None, stopped: bool) -> None:
-        """The results: always at the end of a whole sweep; after one run (an array task) only when every run
-        has finished, so the last task to finish writes the full table."""
+        """The results: at the end of a whole sweep, or after one run only when every run has finished."""
         finished = all((r.record() or {}).get("status") in (DONE, FAILED) for r in self.runs)
         if only is None or finished:
             paths = write_results(self.sweep, self.runs)
@@ -469,16 +434,14 @@ class _Sweeper:
 
 
 def reuse_engine(llm: LLM, cfg: RuntimeConfig) -> None:
-    """Serve ``cfg`` on ``llm``'s loaded engine: it differs from the loaded config only in sampling.* and job.*,
-    which are read from ``llm.cfg`` per request and per job. The prefix cache is emptied, so a run measures
-    what a freshly loaded engine would (prompts shared with the previous run are computed again)."""
+    """Serve ``cfg`` on ``llm``'s loaded engine (only sampling.* and job.* differ). The prefix cache is emptied
+    so a run measures what a fresh engine would."""
     llm.cfg = cfg
     scheduler = llm.scheduler
     scheduler.cache.evict(scheduler.allocator.num_pages)
 
 
 def prepare(run: Run) -> None:
-    """Without job.input, the config's prompts as the run's input rows (ids 0, 1, ...), before any rank reads them."""
     if run.prompts_input:
         rows = "".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(run.cfg.job.prompts))
         path = Path(run.cfg.job.input)

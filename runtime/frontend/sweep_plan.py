@@ -1,22 +1,12 @@
 """What a sweep is: its file (or command-line shorthand), its runs and their folders, each run's record.
 
-A sweep file::
+A sweep file (format in docs)::
 
-    base: configs/default.yaml            # one or more config files, merged in order
-    overrides: [job.input=rows.jsonl]     # key=value for every run
-    grid:                                 # the cartesian product
-      sampling.temperature: [0.0, 0.7]
-      model.path: [/models/a, /models/b]
-    zip:                                  # lists advanced together, crossed with the grid
-      sampling.max_new_tokens: [256, 1024]
-      cache.page_size: [16, 64]
-    name: "{model.path.name}-t{sampling.temperature}"   # run folder (default: the swept key=value pairs)
+    base: configs/default.yaml
+    grid: {sampling.temperature: [0.0, 0.7]}       # cartesian product; ``zip:`` lists advance together
     out: runs/my-sweep
-    metrics: [latency_s.p50]              # extra results columns, read from each run's metrics.json
-    plot: {x: sampling.temperature, y: tokens_per_s}
-    reuse_engine: true                    # runs that differ only in sampling.* / job.* share the loaded model
 
-Every run's config is built and validated here, before anything runs. Nothing in this module imports torch.
+Every run's config is validated here, before anything runs. Nothing in this module imports torch.
 """
 
 from __future__ import annotations
@@ -55,16 +45,16 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._=,+-]+")
 
 @dataclass
 class PlotSpec:
-    x: str | None = None  # a swept key (default: the first swept key)
-    y: str = "tokens_per_s"  # a results column or a named metric
+    x: str | None = None
+    y: str = "tokens_per_s"
 
 
 @dataclass
 class Sweep:
-    source: str  # the sweep file, or "--sweep", for messages
+    source: str
     base: list[str]
     overrides: list[str]
-    grid: dict[str, list[str]]  # key -> each value as override text
+    grid: dict[str, list[str]]
     zip: dict[str, list[str]]
     out: Path
     name: str | None = None
@@ -81,7 +71,7 @@ class Sweep:
 class Run:
     index: int  # 1-based, in execution order (a Slurm array task runs the run of its task id)
     name: str
-    point: dict[str, str]  # swept key -> the override text of its value
+    point: dict[str, str]
     cfg: RuntimeConfig
     dir: Path
 
@@ -111,9 +101,7 @@ class Run:
         return read_record(self.dir)
 
 
-# ---- the sweep file and the shorthand --------------------------------------------------------------------
 def load_sweep_file(path: str | Path, extra_configs: Sequence[str] = (), extra_overrides: Sequence[str] = ()) -> Sweep:
-    """A sweep file; ``extra_configs`` merge after its base, ``extra_overrides`` apply after its overrides."""
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"sweep file {file} does not exist")
@@ -149,7 +137,7 @@ def load_sweep_file(path: str | Path, extra_configs: Sequence[str] = (), extra_o
 
 
 def shorthand_sweep(configs: list[str], items: list[str], out: str | None = None, name: str | None = None) -> Sweep:
-    """``--sweep key=a,b key2=c ...``: a value list with top-level commas is a grid axis, anything else an override."""
+    """``--sweep key=a,b ...``: a value list with top-level commas is a grid axis, anything else an override."""
     grid: dict[str, list[str]] = {}
     overrides: list[str] = []
     for item in items:
@@ -160,7 +148,7 @@ def shorthand_sweep(configs: list[str], items: list[str], out: str | None = None
                 raise ConfigError(f"--sweep: key '{key}' is given twice")
             grid[key] = values
         else:
-            overrides.append(item)  # load_config reports a malformed item, naming it
+            overrides.append(item)
     if out is None:  # the same command gets the same folder, so a rerun resumes
         digest = hashlib.sha256(json.dumps([configs, overrides, grid]).encode()).hexdigest()[:8]
         out = f"outputs/sweep-{digest}"
@@ -168,7 +156,7 @@ def shorthand_sweep(configs: list[str], items: list[str], out: str | None = None
 
 
 def split_top_level(text: str) -> list[str]:
-    """'a,b' -> ['a', 'b']; commas inside brackets, braces or quotes stay: '[1,2],"x,y"' -> ['[1,2]', '"x,y"']."""
+    """'a,b' -> ['a', 'b']; commas inside brackets, braces or quotes stay."""
     parts, depth, quote, start = [], 0, "", 0
     for i, ch in enumerate(text):
         if quote:
@@ -221,10 +209,8 @@ def _plot(value: Any, src: str) -> PlotSpec:
     return PlotSpec(x=value.get("x"), y=value.get("y", "tokens_per_s"))
 
 
-# ---- the runs ----------------------------------------------------------------------------------------------
 def plan_runs(sweep: Sweep, world_size: int | None = 1) -> list[Run]:
-    """Every run, its config validated against the schema; raises ConfigError naming the first problem.
-    ``world_size``: the ranks every run will have, to check ``parallel.tp_size`` (None: not checked)."""
+    """Every run, its config validated; raises ConfigError naming the first problem."""
     _check_axes(sweep)
     default_base = [DEFAULT_BASE] if DEFAULT_BASE.is_file() else []
     runs = []
@@ -236,7 +222,7 @@ def plan_runs(sweep: Sweep, world_size: int | None = 1) -> list[Run]:
             raise ConfigError(f"{sweep.source}: run {described}: {str(exc).splitlines()[0]}") from None
         _check_layout(cfg, world_size, f"{sweep.source}: run {described}")
         runs.append(Run(0, "", point, cfg, sweep.out))
-    if sweep.reuse_engine:  # runs that share an engine next to each other; otherwise the written order
+    if sweep.reuse_engine:
         first_seen: dict[str, int] = {}
         runs.sort(key=lambda r: first_seen.setdefault(r.engine_key(), len(first_seen)))
     for i, run in enumerate(runs, 1):
@@ -249,7 +235,6 @@ def plan_runs(sweep: Sweep, world_size: int | None = 1) -> list[Run]:
 
 
 def points(sweep: Sweep) -> list[dict[str, str]]:
-    """The grid's cartesian product (first key slowest), each crossed with every zip position."""
     grid = [dict(zip(sweep.grid, combo)) for combo in itertools.product(*sweep.grid.values())]
     zipped = [dict(zip(sweep.zip, values)) for values in zip(*sweep.zip.values())] if sweep.zip else [{}]
     return [{**g, **z} for g in grid for z in zipped]
@@ -279,14 +264,13 @@ def _check_layout(cfg: RuntimeConfig, world_size: int | None, where: str) -> Non
 
 
 def _place(run: Run, source: str) -> None:
-    """Point the run's job files into its folder; a run without job.input serves job.prompts from input.jsonl."""
     job = run.cfg.job
     if job.input is None:
         job.input = str(run.dir / "input.jsonl")
     elif not Path(job.input).exists():
         raise ConfigError(f"{source}: run {run.name}: config key 'job.input'={job.input} does not exist")
     job.output, job.errors, job.metrics = (str(run.dir / f) for f in ("output.jsonl", "errors.jsonl", "metrics.json"))
-    run.paths.check_distinct()  # job.input inside the run's own folder, on top of one of its files
+    run.paths.check_distinct()
 
 
 def _check_unique(runs: list[Run], source: str) -> None:
@@ -319,7 +303,6 @@ def check_resumable(run: Run) -> None:
                           f"{', '.join(changed[:5])}): use another 'out', or delete the folder to run it again")
 
 
-# ---- names -------------------------------------------------------------------------------------------------
 def run_name(sweep: Sweep, run: Run) -> str:
     if sweep.name is None:
         return safe_name(default_name(run.swept_values()))
@@ -335,8 +318,7 @@ def run_name(sweep: Sweep, run: Run) -> str:
 
 
 def default_name(values: dict[str, Any]) -> str:
-    """``temperature=0.7,path=Llama-3.1-8B``: the last part of each key where that is unambiguous; paths by
-    their last component."""
+    """``temperature=0.7,path=Llama-3.1-8B``: shortest unambiguous key parts; paths by their last component."""
     shorts = [k.rsplit(".", 1)[-1] for k in values]
     parts = []
     for (key, value), short in zip(values.items(), shorts):
@@ -347,12 +329,11 @@ def default_name(values: dict[str, Any]) -> str:
 
 
 def safe_name(text: str) -> str:
-    """One path component: only letters, digits and ._=,+- (anything else becomes _), no leading dot."""
     return _UNSAFE.sub("_", text).strip("._")[:200]
 
 
 class _ConfigFormatter(string.Formatter):
-    """``{model.path.name}``: config keys as far as they go, then attributes of the value (a string as a Path)."""
+    """``{model.path.name}``: config keys, then attributes of the value (a string as a Path)."""
 
     def __init__(self, node: dict[str, Any]) -> None:
         super().__init__()
@@ -376,14 +357,13 @@ class _ConfigFormatter(string.Formatter):
         return value, field_name
 
 
-# ---- a run's record (run.json) ------------------------------------------------------------------------------
 def read_record(folder: Path) -> dict[str, Any] | None:
     try:
         return json.loads((folder / RECORD).read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError):
-        return None  # unreadable (a kill while the first record was written): the run counts as not done
+        return None  # a kill while the first record was written: not done
 
 
 def write_record(folder: Path, record: dict[str, Any]) -> None:

@@ -1,12 +1,5 @@
-"""Table inputs: Parquet, CSV and Arrow files, folders of Parquet or Arrow shards, and folders written by
-``datasets.Dataset.save_to_disk``, read with pyarrow a batch at a time (only the chosen columns), so a table
-larger than memory streams and the first rows are served while the rest is still on disk.
-
-Columns (``job.columns``): ``id`` (default ``id``; a table without that column uses the row number, counted
-from 0, as the id), ``prompt`` (text or token ids) or ``messages`` (a chat: a list of ``{role, content}``,
-ShareGPT's ``{from, value}`` too, or that list as JSON text), and ``keep``: columns copied to every result.
-A table row is named by its row number (from 0) in error messages. Rows take the ``sampling`` defaults.
-"""
+"""Table inputs (Parquet, CSV, Arrow, shard folders, ``save_to_disk`` folders), read with pyarrow a batch at a
+time so a table larger than memory streams. Without an id column the row number is the id."""
 
 from __future__ import annotations
 
@@ -24,7 +17,7 @@ import pyarrow.parquet as pq
 from runtime.frontend.job_files import InputError, JobRow, normalize_id
 from runtime.sampling_params import SamplingParams
 
-BATCH_ROWS = 4096  # rows converted to Python at a time
+BATCH_ROWS = 4096
 SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "csv", ".arrow": "arrow",
             ".feather": "arrow", ".ipc": "arrow"}
 RESULT_COLUMNS = ("id", "text", "finish_reason", "completion_tokens", "prompt_tokens", "logprobs",
@@ -53,7 +46,7 @@ def table_kind(path: Path) -> str | None:
 
 @dataclass
 class Columns:
-    id: str | None  # None: the row number is the id
+    id: str | None
     prompt: str | None
     messages: str | None
     keep: list[str]
@@ -86,7 +79,6 @@ class TableInput:
     def kept_fields(self) -> list[pa.Field]:
         return [self.schema.field(name) for name in self.columns.keep]
 
-    # ---- files ---------------------------------------------------------------------------------------------
     def _files(self) -> list[Path]:
         path = self.path
         if self.kind == "datasets":
@@ -94,7 +86,7 @@ class TableInput:
             files = [path / f["filename"] for f in state.get("_data_files", [])]
         elif path.is_dir():
             suffix = ".parquet" if self.kind == "parquet" else ".arrow"
-            if self.kind == "parquet":  # pyarrow finds the shards (hidden and underscore files left out)
+            if self.kind == "parquet":
                 files = [Path(f) for f in pa_dataset.dataset(path, format="parquet").files]
             else:
                 files = list(path.rglob("*" + suffix))
@@ -156,7 +148,6 @@ class TableInput:
                                  f"have other names than {list(RESULT_COLUMNS)}")
         return Columns(cfg.id if cfg.id in names else None, prompt, messages, keep)
 
-    # ---- rows ----------------------------------------------------------------------------------------------
     def batches(self) -> Iterator[pa.RecordBatch]:
         """The chosen columns, in row order, a batch at a time."""
         c = self.columns
@@ -244,7 +235,7 @@ def _messages(value: Any) -> list[dict[str, Any]]:
             raise ValueError("holds text that is not a JSON list of messages") from None
     if not isinstance(value, list) or not value or not all(isinstance(m, dict) for m in value):
         raise ValueError(f"must hold a non-empty list of messages, not {_kind(value)}")
-    if all("from" in m and "value" in m and "role" not in m for m in value):  # ShareGPT
+    if all("from" in m and "value" in m and "role" not in m for m in value):
         return [{"role": _SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m["value"]} for m in value]
     return value
 

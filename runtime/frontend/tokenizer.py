@@ -43,12 +43,8 @@ def eos_token_ids(model_dir: Path, tokenizer: Any) -> set[int]:
 
 
 class IncrementalDetokenizer:
-    """Text of a growing token list, emitted only once characters are complete.
-
-    Decoding a short window (from ``prefix`` to the end) rather than everything
-    keeps each step O(window); the window restarts after each emitted piece.
-    Byte-level tokens that split a UTF-8 character decode to U+FFFD and wait.
-    """
+    """Text of a growing token list, emitted once characters are complete; decoding a short window keeps each
+    step O(window)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer

@@ -1,5 +1,4 @@
-"""Rank 0's KV page ownership: admission (a prefix match plus private pages for the whole
-reservation), hand-over of finished KV to the prefix cache, release, and the integrity check."""
+"""Rank 0's KV page ownership: admission, hand-over to the prefix cache, release, integrity check."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ class CacheManager:
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
         self.cache: PrefixCache = RadixCache(self.allocator, page_size) if cache_type == "radix" else NaivePrefixCache()
-        self.shares_prefixes = cache_type == "radix"  # an admission can find another request's prompt KV
+        self.shares_prefixes = cache_type == "radix"
 
     def pages_for(self, req: Req) -> int:
         # KV is written for every token but the last sampled one.
@@ -23,8 +22,8 @@ class CacheManager:
     def admit(self, req: Req) -> bool:
         """Give ``req`` pages for its whole reservation, reusing a cached prefix; False if they are not there."""
         need = self.pages_for(req)
-        # Always compute at least the last prompt token: its logits give the first new token. Prompt
-        # logprobs need the logits at every prompt position, so such a request computes its whole prompt.
+        # The last prompt token is always computed (its logits give the first new token); prompt logprobs
+        # need every position.
         matched, node = self.cache.match([] if req.wants_prompt_logprobs else req.prompt_ids[:-1])
         self.cache.lock(node)  # before evicting, so the match itself survives
         short = need - len(matched) - self.allocator.num_free
@@ -39,17 +38,13 @@ class CacheManager:
         return True
 
     def cache_prompt(self, req: Req) -> None:
-        """The prompt's KV is written once its last chunk is launched: later requests may share it now."""
+        """Share the prompt's KV once its last chunk is launched."""
         self._give_to_cache(req, req.prompt_ids)
         req.prompt_cached = True
 
     def release(self, req: Req) -> None:
-        """A finished (or aborted) request's KV goes to the prefix cache, its private pages back to the pool.
-
-        At once: a step still in flight that reads them runs before whatever the next admission
-        writes, because all device work is ordered on one stream.
-        """
-        # KV is complete for every token but the last sampled one (or up to the launched prefill).
+        """Hand the KV to the prefix cache and free private pages at once: a step in flight that reads them
+        runs before the next admission's writes, since all device work is ordered on one stream."""
         valid = min(req.cached_len, req.prompt_len + max(len(req.output_ids) - 1, 0))
         self._give_to_cache(req, (req.prompt_ids + req.output_ids)[:valid])
         req.prompt_cached = req.prompt_cached or valid >= req.prompt_len
@@ -58,12 +53,8 @@ class CacheManager:
         req.pages, req.own_pages, req.cache_node = [], [], None
 
     def _give_to_cache(self, req: Req, tokens: list[int]) -> None:
-        """Offer the whole pages of ``tokens`` (KV complete, in stream order) and pin where they end.
-
-        Pages the cache already held under the same tokens are left alone. When another request cached
-        the same tokens first, in other pages, this request's copies stay its own: its page table still
-        points at them, so they are freed only when it finishes, never while it runs.
-        """
+        """Offer the whole pages of ``tokens`` and pin where they end; duplicates of pages another request
+        cached first stay this request's own (its page table still points at them) until it finishes."""
         full = min(len(tokens) // self.page_size, len(req.pages))
         tokens = tokens[: full * self.page_size]
         kept_by_caller = set(self.cache.insert(tokens, req.pages[:full]))
@@ -75,8 +66,7 @@ class CacheManager:
         req.cache_node = node
 
     def check_integrity(self, live: list[Req]) -> None:
-        """Every page has exactly one owner (free list, cache, or one admitted request's private pages),
-        and admitted requests only point at pages they may read."""
+        """Every page has exactly one owner and admitted requests only point at pages they may read."""
         cached, pinned = self.cache.held_pages()
         owners = self.allocator.free_pages + cached
         for req in live:

@@ -1,4 +1,4 @@
-"""Which KV pages are free: rank 0's page allocator (the device-side storage is ``engine.kv_cache``)."""
+"""Rank 0's KV page allocator."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ class PageAllocator:
 
     @property
     def free_pages(self) -> list[int]:
-        """A copy of the free list (integrity checks)."""
         return list(self._free)
 
     def alloc(self, n: int) -> list[int]:

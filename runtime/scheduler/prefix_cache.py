@@ -1,11 +1,4 @@
-"""One interface for prefix reuse, with two implementations: naive (no reuse) and radix.
-
-Pages move between three disjoint owners: the allocator (free), the prefix cache,
-and admitted requests (their private pages). ``match`` finds the cached pages of a
-prompt's longest page-aligned prefix, ``lock``/``unlock`` pin a match while a request
-reads it, ``insert`` offers a finished sequence's pages (the cache returns the ones
-it did not take), ``evict`` frees unpinned pages.
-"""
+"""The prefix-reuse interface; ``insert`` returns the pages the cache did not take."""
 
 from __future__ import annotations
 
@@ -24,7 +17,7 @@ class PrefixCache(Protocol):
 
 
 class NaivePrefixCache:
-    """No reuse: nothing matches, nothing is kept, every page stays with its request until it finishes."""
+    """No reuse: every page stays with its request until it finishes."""
 
     evictable_pages = 0
 
@@ -38,7 +31,7 @@ class NaivePrefixCache:
         pass
 
     def insert(self, tokens: list[int], pages: list[int]) -> list[int]:
-        return list(pages)  # not taken: the request frees them itself
+        return list(pages)
 
     def evict(self, n_pages: int) -> int:
         return 0

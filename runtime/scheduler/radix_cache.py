@@ -1,12 +1,4 @@
-"""Prefix reuse: a radix tree over token ids whose nodes own KV pages (page-aligned).
-
-Each node holds a run of whole pages: its token ids (a multiple of page_size)
-and the pages that hold their KV. A running request locks the path it matched
-(reference counts up to the root); unreferenced leaves are evicted least
-recently used first when the allocator runs short. Pages move between three
-disjoint owners: the allocator (free), the tree, and running requests
-(private pages not yet in the tree); the cache manager's integrity check verifies that.
-"""
+"""Prefix reuse: a page-aligned radix tree over token ids; locked paths are pinned, leaves evicted LRU."""
 
 from __future__ import annotations
 
@@ -35,24 +27,22 @@ class RadixCache:
         self.page_size = page_size
         self.root = Node()
         self.root.ref = 1  # never evicted
-        self.evictable_pages = 0  # pages in nodes nobody holds
+        self.evictable_pages = 0
         self.tree_pages = 0
-        self.leaves: set[Node] = set()  # kept up to date, so eviction never walks the whole tree
+        self.leaves: set[Node] = set()  # kept up to date so eviction never walks the whole tree
 
-    # ---- lookup -------------------------------------------------------------------------------------
     def _chunk(self, tokens: tuple[int, ...] | list[int], i: int) -> tuple[int, ...]:
         return tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
 
     def _walk(self, tokens: list[int] | tuple[int, ...], n_chunks: int) -> tuple[Node, int, list[tuple[Node, int]]]:
-        """Follow the longest cached prefix of the first ``n_chunks`` pages of ``tokens``, splitting a node
-        that matches only in part; returns the last node, the pages matched, and each (node, first page)."""
+        """Follow the longest cached prefix, splitting a partly matching node; returns (last node, pages, path)."""
         node, i, path = self.root, 0, []
         stamp = next(_clock)
         while i < n_chunks:
             child = node.children.get(self._chunk(tokens, i))
             if child is None:
                 break
-            k = 0  # whole pages of the child that match
+            k = 0
             while k < len(child.pages) and i + k < n_chunks and self._chunk(child.tokens, k) == self._chunk(tokens, i + k):
                 k += 1
             if k < len(child.pages):
@@ -76,7 +66,6 @@ class RadixCache:
         upper.children[self._chunk(node.tokens, 0)] = node
         return upper
 
-    # ---- references ---------------------------------------------------------------------------------
     def lock(self, node: Node) -> None:
         while node is not None:
             if node.ref == 0:
@@ -91,10 +80,8 @@ class RadixCache:
                 self.evictable_pages += len(node.pages)
             node = node.parent
 
-    # ---- insertion and eviction ---------------------------------------------------------------------
     def insert(self, tokens: list[int], pages: list[int]) -> list[int]:
-        """Add a page-aligned sequence whose KV sits in ``pages``; returns the caller's pages that
-        turned out to duplicate cached ones (same tokens, other pages), which the caller frees."""
+        """Add a page-aligned sequence; returns the caller's pages that duplicate cached ones."""
         assert len(tokens) == len(pages) * self.page_size
         node, i, path = self._walk(tokens, len(pages))
         duplicates = [p for n, start in path for p, q in zip(pages[start : start + len(n.pages)], n.pages) if p != q]
@@ -136,7 +123,7 @@ class RadixCache:
         return out
 
     def held_pages(self) -> tuple[list[int], set[int]]:
-        """(every page the tree holds, the pinned ones); also checks the evictable count and the leaf set."""
+        """(every page the tree holds, the pinned ones); also checks the counters."""
         nodes = self.nodes()
         evictable = sum(len(n.pages) for n in nodes if n.ref == 0)
         assert evictable == self.evictable_pages, (evictable, self.evictable_pages)

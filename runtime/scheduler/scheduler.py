@@ -1,19 +1,7 @@
 """Rank 0's scheduler: continuous batching with chunked prefill over a paged KV cache.
 
-Policy: prefill first (continue chunked prompts, then admit waiting requests
-in arrival order while the step's token budget, free rows and free pages
-allow), otherwise decode every running request. While requests decode, new
-ones are admitted in groups (``scheduler.admit_free_share`` of the rows and of
-the pages free, or rows for everything waiting): a prefill step stops every
-decode, so one step per group beats one per finished request. A request is admitted only
-when pages for its whole reservation (prompt + max_new_tokens) are free, so
-the cache is never over-committed and nothing is ever preempted. Page ownership
-is the cache manager's; finishing is the output processor's (``runtime.output``).
-
-Samples of one prompt (``SamplingParams.n``): with the radix cache, siblings are
-passed over until sample 0's prompt KV is in the cache, then admitted with that
-prefix matched, so the prompt is computed once (``stats.prefill_tokens`` counts
-what is computed, ``stats.cached_tokens`` what the cache served).
+Prefill first, else decode. A request is admitted only when pages for its whole reservation are free, so
+nothing is ever preempted; while requests decode, new ones are admitted in groups since a prefill stalls decode.
 """
 
 from __future__ import annotations
@@ -29,15 +17,14 @@ from runtime.batch import Batch, Req
 from runtime.config import SchedulerSection
 from runtime.scheduler.cache_manager import CacheManager
 
-# Decode steps new prompts wait for a group at most: bounds the wait behind a long request that holds the
-# pages, at one extra prefill stop per 64 steps.
+# Bounds how long new prompts wait for a group behind a long request that holds the pages.
 ADMIT_MAX_HOLD = 64
 
 
 @dataclass
 class SchedulerStats:
-    page_waits: int = 0  # steps in which the next waiting request had to wait for free pages
-    cached_tokens: int = 0  # prompt tokens served from the radix cache instead of computed
+    page_waits: int = 0
+    cached_tokens: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
     prefill_tokens: int = 0
@@ -56,16 +43,15 @@ class Scheduler:
         self.pages = CacheManager(num_pages, page_size, cache_type)
         self.debug_checks = debug_checks
         self.free_rows = list(range(cfg.max_running_requests - 1, -1, -1))
-        # A group: this many rows and pages free (pages bind when long reservations fill the cache first).
         self.admit_group = max(1, math.ceil(cfg.admit_free_share * cfg.max_running_requests))
         self.admit_pages = math.ceil(cfg.admit_free_share * (num_pages - 1))
-        self.held_steps = 0  # steps new prompts have waited for their group
+        self.held_steps = 0
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []
         self.running: list[Req] = []
         self.stats = SchedulerStats()
-        self.logprob_reqs = 0  # admitted requests that ask for logprobs: while 0, batches carry no logprob rows
-        self.draining = False  # set on SIGTERM/SIGUSR1: admit nothing new
+        self.logprob_reqs = 0  # while 0, batches carry no logprob rows
+        self.draining = False
 
     @property
     def allocator(self):  # noqa: ANN201 - PageAllocator
@@ -75,9 +61,8 @@ class Scheduler:
     def cache(self):  # noqa: ANN201 - PrefixCache
         return self.pages.cache
 
-    # ---- admission --------------------------------------------------------------------------------------
     def check(self, req: Req) -> None:
-        """Raise ValueError if ``req`` can never be served (it reads nothing that changes: any thread may ask)."""
+        """Raise ValueError if ``req`` can never be served; reads nothing mutable, so any thread may call it."""
         need = self.pages.pages_for(req)
         if need > self.allocator.num_pages - 1:
             raise ValueError(
@@ -89,14 +74,13 @@ class Scheduler:
         """Queue a request; raises ValueError (for that request only) if it can never be served."""
         self.check(req)
         if req.leader is not None and not self._leader_known(req.leader):
-            req.leader = None  # sample 0 was never queued (it failed): this sample computes its own prompt
+            req.leader = None  # sample 0 failed: compute the prompt itself
         self.waiting.append(req)
 
     def _leader_known(self, leader: Req) -> bool:
-        """Queued, admitted or done: something will hand its prompt to the cache or finish it."""
         if leader.table_idx >= 0 or leader.prompt_cached or leader.finish_reason is not None:
             return True
-        return any(r is leader for r in reversed(self.waiting))  # it was queued just before: found at once
+        return any(r is leader for r in reversed(self.waiting))
 
     def _waits_for_leader(self, req: Req) -> bool:
         lead = req.leader
@@ -107,10 +91,9 @@ class Scheduler:
     def idle(self) -> bool:
         return not (self.waiting or self.prefilling or self.running)
 
-    # ---- one decision -----------------------------------------------------------------------------------
     def schedule(self) -> Batch | None:
         for req in self.prefilling:
-            if req.prefill_done and req.finish_reason is None:  # one that finished at once was released
+            if req.prefill_done and req.finish_reason is None:
                 self.running.append(req)
                 self.pages.cache_prompt(req)
         self.prefilling = [r for r in self.prefilling if not r.prefill_done]
@@ -159,8 +142,7 @@ class Scheduler:
         return batch
 
     def _admit_waiting(self, budget: int, chunks: list[tuple[Req, int]]) -> list[Req]:
-        """Admit waiting requests in arrival order while budget, rows and pages allow; a sibling whose
-        sample 0 has not cached its prompt yet is passed over (it keeps its place in the queue)."""
+        """Admit in arrival order; siblings whose sample 0 has not cached its prompt keep their place."""
         admitted: list[Req] = []
         passed: list[Req] = []
         if not self.waiting or self.draining or not (chunks or self._group_ready()):
@@ -183,14 +165,11 @@ class Scheduler:
         return admitted
 
     def _group_ready(self) -> bool:
-        """Whether new prompts may get a prefill step now: nothing decodes, a group's worth of rows and pages
-        is free, everything waiting fits (the last ones of a job never wait for a group), or the group has
-        gathered for ``ADMIT_MAX_HOLD`` steps (a long request holding most pages would otherwise keep the
-        ones that fit beside it waiting for its whole life)."""
+        """Whether new prompts may get a prefill step now (nothing decodes, a group or all waiting fit, or
+        ``ADMIT_MAX_HOLD`` steps passed)."""
         free = len(self.free_rows)
         pages = self.allocator.num_free + self.cache.evictable_pages
-        # A group's pages: admit_pages, or what the next admit_group requests need when that is less
-        # (requests that reserve little must not wait for pages a long one holds).
+        # Small reservations must not wait for pages a long request holds.
         group_pages = min(self.admit_pages, sum(map(self.pages.pages_for, islice(self.waiting, self.admit_group))))
         ready = (
             not self.running
@@ -199,7 +178,7 @@ class Scheduler:
             or self.held_steps >= ADMIT_MAX_HOLD
         )
         if not ready and pages < group_pages:
-            self.stats.page_waits += 1  # pages hold the queue, not rows: LLM.run stops topping it up
+            self.stats.page_waits += 1  # LLM.run stops topping up the queue on page waits
         self.held_steps = 0 if ready else self.held_steps + 1
         return ready
 
@@ -223,7 +202,7 @@ class Scheduler:
             temperature=np.array(temp, np.float32), top_k=np.array(top_k, np.int32),
             top_p=np.array(top_p, np.float32), seeds=np.array(seeds, np.int64), reqs=reqs,
         )
-        if self.logprob_reqs:  # otherwise no row can ask: no per-row work at all
+        if self.logprob_reqs:
             ks = np.array([r.logprob_ks for r in reqs], np.int32)
             if (ks[:, 0] >= 0).any():
                 batch.logprobs = ks[:, 0].copy()
@@ -231,28 +210,25 @@ class Scheduler:
                 batch.prompt_logprobs = ks[:, 1].copy()
         return batch
 
-    # ---- finishing --------------------------------------------------------------------------------------
     def finish(self, req: Req) -> None:
-        """A request the output processor found finished: its row and pages come back now."""
         self._release(req)
         if self.debug_checks:
             self.check_integrity()
 
     def abort(self, req: Req) -> None:
-        """Drop one request (its client went away): out of the queue, or its row and pages back now (a step in
-        flight that still writes them runs before any later admission's, on the same stream)."""
+        """Drop one request; its pages come back at once (in-flight writes precede later ones on the stream)."""
         if req.finish_reason is not None:
             return
         req.finish_reason = "abort"
         if req.table_idx >= 0:
             self._release(req)
             if req in self.prefilling:
-                self.prefilling.remove(req)  # the running list drops finished requests at the next schedule()
+                self.prefilling.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
 
     def abort_all(self) -> list[Req]:
-        """Drop every unfinished request (an interrupted run); their resources come back."""
+        """Drop every unfinished request."""
         dropped = list(self.waiting) + [r for r in self.prefilling + self.running if r.finish_reason is None]
         for req in dropped:
             req.finish_reason = "abort"
@@ -270,5 +246,5 @@ class Scheduler:
         req.table_idx = -1
 
     def check_integrity(self) -> None:
-        live = [r for r in self.prefilling + self.running if r.table_idx >= 0]  # admitted, not yet released
+        live = [r for r in self.prefilling + self.running if r.table_idx >= 0]
         self.pages.check_integrity(live)
