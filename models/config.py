@@ -12,11 +12,14 @@ FAMILIES: dict[str, dict[str, bool]] = {
     "MistralForCausalLM": {},
     "Qwen2ForCausalLM": {"qkv_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
+    "Qwen3MoeForCausalLM": {"qk_norm": True, "moe": True},
+    "MixtralForCausalLM": {"moe": True},
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 # Older config.json files name only the model_type; anything unknown must not load as Llama.
 _ARCH_OF_MODEL_TYPE = {"llama": ["LlamaForCausalLM"], "mistral": ["MistralForCausalLM"],
-                       "qwen2": ["Qwen2ForCausalLM"], "qwen3": ["Qwen3ForCausalLM"]}
+                       "qwen2": ["Qwen2ForCausalLM"], "qwen3": ["Qwen3ForCausalLM"],
+                       "qwen3_moe": ["Qwen3MoeForCausalLM"], "mixtral": ["MixtralForCausalLM"]}
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,15 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
     qkv_bias: bool = False  # bias on q, k, v only (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    moe: bool = False  # sparse mixture-of-experts MLPs (models/moe.py)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    sparse_layers: tuple[int, ...] = ()  # layers whose MLP is the mixture of experts; the others are dense
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer in self.sparse_layers
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -68,6 +80,9 @@ class ModelConfig:
                 raise ValueError(f"rope_scaling type {kind!r} is not supported (only 'llama3')")
             if kind == "default":
                 scaling = None
+        family = dict(FAMILIES[arch])
+        if family.get("moe"):
+            family.update(_moe_fields(cfg, arch))
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -85,8 +100,12 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
             architecture=arch,
-            **FAMILIES[arch],
+            **family,
         )
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.sparse_layers)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -95,3 +114,22 @@ class ModelConfig:
             return cls.from_dict(json.loads(file.read_text()))
         except (KeyError, json.JSONDecodeError) as exc:
             raise ValueError(f"{file}: cannot read the model config ({exc!r})") from exc
+
+
+def _moe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Mixtral: every layer sparse, experts as wide as intermediate_size, top-k renormalised. Qwen3-MoE: layers
+    sparse every ``decoder_sparse_step`` but ``mlp_only_layers``, experts of ``moe_intermediate_size``."""
+    layers = int(cfg["num_hidden_layers"])
+    top_k = int(cfg["num_experts_per_tok"])
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers writes either name
+    if arch == "MixtralForCausalLM":
+        inter, renormalize, sparse = int(cfg["intermediate_size"]), True, tuple(range(layers))
+    else:
+        inter = int(cfg["moe_intermediate_size"])
+        renormalize = bool(cfg.get("norm_topk_prob", False))
+        step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or [])
+        sparse = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+    if not 0 < top_k <= experts:
+        raise ValueError(f"num_experts_per_tok={top_k} must be in [1, {experts}] (the number of experts)")
+    return {"num_experts": experts, "experts_per_token": top_k, "moe_intermediate_size": inter,
+            "norm_topk_prob": renormalize, "sparse_layers": sparse}

@@ -40,29 +40,29 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def _copy_into(param: torch.Tensor, loaded: torch.Tensor, name: str = "") -> None:
+def copy_into(param: torch.Tensor, loaded: torch.Tensor, name: str = "") -> None:
     if tuple(loaded.shape) != tuple(param.shape):
         raise ValueError(f"checkpoint tensor {name} has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
     param.copy_(loaded)
 
 
 def load_replicated(param: torch.Tensor, source: SliceSource, shard_id: Any = None) -> None:
-    _copy_into(param.data, source[:])
+    copy_into(param.data, source[:])
 
 
 def _shard_rows(param: torch.Tensor, source: SliceSource) -> None:
     rows = param.shape[0]
     start = get_tp().rank * rows
-    _copy_into(param.data, source[start : start + rows])
+    copy_into(param.data, source[start : start + rows])
 
 
 def _shard_cols(param: torch.Tensor, source: SliceSource) -> None:
     cols = param.shape[1]
     start = get_tp().rank * cols
-    _copy_into(param.data, source[:, start : start + cols])
+    copy_into(param.data, source[:, start : start + cols])
 
 
-def _new_param(*shape: int, loader: Any) -> nn.Parameter:
+def new_param(*shape: int, loader: Any) -> nn.Parameter:
     param = nn.Parameter(torch.empty(*shape), requires_grad=False)
     param.weight_loader = loader  # type: ignore[attr-defined]
     return param
@@ -78,7 +78,7 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_size = -(-vocab_size // tp.size)  # the last shard is zero-padded
         self.start = tp.rank * self.shard_size
         self.end = min(self.start + self.shard_size, vocab_size)
-        self.weight = _new_param(self.shard_size, dim, loader=self._load)
+        self.weight = new_param(self.shard_size, dim, loader=self._load)
 
     def _load(self, param: torch.Tensor, source: SliceSource, shard_id: Any = None) -> None:
         param.data.zero_()
@@ -116,8 +116,8 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.linear_fn = linear
         out_local = divide(out_features, get_tp().size, "output features")
-        self.weight = _new_param(out_local, in_features, loader=self._load)
-        self.bias = _new_param(out_local, loader=self._load) if bias else None
+        self.weight = new_param(out_local, in_features, loader=self._load)
+        self.bias = new_param(out_local, loader=self._load) if bias else None
 
     def _load(self, param: torch.Tensor, source: SliceSource, shard_id: Any = None) -> None:
         _shard_rows(param, source)
@@ -139,7 +139,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.local_sizes[index]
         offset = sum(self.local_sizes[:index])
         start = get_tp().rank * size
-        _copy_into(param.data[offset : offset + size], source[start : start + size])
+        copy_into(param.data[offset : offset + size], source[start : start + size])
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -171,7 +171,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
             size, start = kv_size, self.kv_head_start * d
-        _copy_into(param.data[offset : offset + size], source[start : start + size])
+        copy_into(param.data[offset : offset + size], source[start : start + size])
 
 
 class RowParallelLinear(nn.Module):
@@ -181,8 +181,8 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.linear_fn = linear
         in_local = divide(in_features, get_tp().size, "input features")
-        self.weight = _new_param(out_features, in_local, loader=self._load)
-        self.bias = _new_param(out_features, loader=load_replicated) if bias else None
+        self.weight = new_param(out_features, in_local, loader=self._load)
+        self.bias = new_param(out_features, loader=load_replicated) if bias else None
 
     def _load(self, param: torch.Tensor, source: SliceSource, shard_id: Any = None) -> None:
         _shard_cols(param, source)
@@ -201,7 +201,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, kernels: Kernels = TORCH_KERNELS) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = _new_param(dim, loader=load_replicated)
+        self.weight = new_param(dim, loader=load_replicated)
         self.norm, self.add_norm = kernels.rms_norm, kernels.add_rms_norm
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,7 @@ from models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from models.moe import SparseMoE
 from models.ops import TORCH_KERNELS, Kernels
 
 
@@ -71,7 +72,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, kernels: Kernels) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, kernels)
-        self.mlp = LlamaMLP(cfg, kernels)
+        self.mlp = SparseMoE(cfg, kernels) if cfg.is_sparse(layer_id) else LlamaMLP(cfg, kernels)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
@@ -100,7 +101,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, kernels) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.fused_gemv = kernels.fused_gemv
+        self.fused_gemv = kernels.fused_gemv and not cfg.is_moe  # the fused layers are dense MLPs
 
     def forward(self, input_ids: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

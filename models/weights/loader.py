@@ -13,6 +13,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from models import moe
 from models.config import ModelConfig
 from models.layers import FullTensor, load_replicated
 from models.llama import LlamaForCausalLM
@@ -129,6 +130,10 @@ def _target_param(ckpt_name: str, model: LlamaForCausalLM) -> tuple[str, object]
         return None
     if ckpt_name == "lm_head.weight" and model.config.tie_word_embeddings:
         return None  # the LM head shares the embedding
+    if model.config.is_moe and (".experts." in ckpt_name or ".gate.weight" in ckpt_name):
+        target = moe.target_param(ckpt_name)
+        if target is not None:
+            return target
     for ckpt_part, (fused, shard_id) in model.packed_modules.items():
         if f".{ckpt_part}." in ckpt_name:
             return ckpt_name.replace(ckpt_part, fused), shard_id
@@ -149,10 +154,13 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             "self_attn.k_proj": (cfg.num_kv_heads * d, h, qkv_bias),
             "self_attn.v_proj": (cfg.num_kv_heads * d, h, qkv_bias),
             "self_attn.o_proj": (h, cfg.num_heads * d, cfg.attention_bias),
-            "mlp.gate_proj": (inter, h, cfg.mlp_bias),
-            "mlp.up_proj": (inter, h, cfg.mlp_bias),
-            "mlp.down_proj": (h, inter, cfg.mlp_bias),
         }
+        if cfg.is_sparse(i):
+            shapes.update(moe.expert_names(cfg, i))
+        else:
+            projections["mlp.gate_proj"] = (inter, h, cfg.mlp_bias)
+            projections["mlp.up_proj"] = (inter, h, cfg.mlp_bias)
+            projections["mlp.down_proj"] = (h, inter, cfg.mlp_bias)
         for name, (rows, cols, bias) in projections.items():
             shapes[f"{layer}{name}.weight"] = (rows, cols)
             if bias:
@@ -201,6 +209,15 @@ def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
         if ".qkv_proj." in name:
             for part, piece in zip(("q_proj", "k_proj", "v_proj"), param.data.split([q, kv, kv])):
                 out[name.replace("qkv_proj", part)] = piece
+        elif name.endswith(".mlp.experts.w13"):
+            layer = int(name.split(".")[2])
+            w2 = dict(model.named_parameters())[name[: -len("w13")] + "w2"]
+            out.update(moe.hf_expert_tensors(cfg, layer, param.data, w2.data))
+        elif name.endswith(".mlp.experts.w2"):
+            continue
+        elif ".mlp.gate.weight" in name and cfg.is_moe:
+            out[name.replace(".mlp.", ".block_sparse_moe.") if cfg.architecture == "MixtralForCausalLM" else name] = \
+                param.data
         elif ".gate_up_proj." in name:
             for part, piece in zip(("gate_proj", "up_proj"), param.data.chunk(2)):
                 out[name.replace("gate_up_proj", part)] = piece

@@ -141,7 +141,11 @@ class Engine:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.check_tokens = cfg.parallel.check_tokens and self.tp_size > 1
         self.graph_runner = None
-        if self.stream is not None and self.attn_backend.supports_graphs and cfg.engine.cuda_graph_max_bs > 0:
+        # The mixture-of-experts layers size their work on the host (tokens per expert): not capturable yet.
+        graphs = cfg.engine.cuda_graph_max_bs > 0 and not self.model_config.is_moe
+        if self.stream is not None and self.model_config.is_moe and cfg.engine.cuda_graph_max_bs > 0:
+            log.warning("%s: mixture-of-experts layers run without CUDA graphs", self.model_config.architecture)
+        if self.stream is not None and self.attn_backend.supports_graphs and graphs:
             from runtime.engine.graph import GraphRunner
 
             prefill_tokens = min(cfg.engine.cuda_graph_prefill_tokens, cfg.scheduler.max_prefill_tokens,

@@ -1,0 +1,132 @@
+"""Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral), experts sharded over TP like a dense MLP.
+
+Every rank holds every expert's slice of the intermediate dimension (gate/up by rows, down by columns) and a
+replicated router, so a layer costs one all-reduce, as a dense MLP does. Expert parallelism would instead give
+each rank whole experts and exchange tokens (all-to-all); the weights would then be stacked by expert ranges.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.config import ModelConfig
+from models.layers import SliceSource, copy_into, divide, load_replicated, new_param
+from models.ops import Kernels
+from parallel import all_reduce, get_tp
+
+# Checkpoint names of one expert's projections -> (gate_up shard 0 | 1, or down): Qwen3-MoE and Mixtral spellings.
+_EXPERT = re.compile(r"^(?P<layer>model\.layers\.\d+\.)(?:mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\."
+                     r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
+_ROUTER = re.compile(r"^(?P<layer>model\.layers\.\d+\.)(?:mlp|block_sparse_moe)\.gate\.weight$")
+
+
+def expert_names(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """Checkpoint name and shape of a sparse layer's router and experts, in the family's spelling."""
+    h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    prefix = f"model.layers.{layer}."
+    if cfg.architecture == "MixtralForCausalLM":
+        block, names = f"{prefix}block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        block, names = f"{prefix}mlp.", ("gate_proj", "up_proj", "down_proj")
+    shapes = {f"{block}gate.weight": (cfg.num_experts, h)}
+    for e in range(cfg.num_experts):
+        shapes[f"{block}experts.{e}.{names[0]}.weight"] = (inter, h)
+        shapes[f"{block}experts.{e}.{names[1]}.weight"] = (inter, h)
+        shapes[f"{block}experts.{e}.{names[2]}.weight"] = (h, inter)
+    return shapes
+
+
+def target_param(ckpt_name: str) -> tuple[str, Any] | None:
+    """Our parameter and shard id for a router or expert tensor; None for any other name."""
+    found = _EXPERT.match(ckpt_name)
+    if found:
+        part = _PART[found["proj"]]
+        param = "w2" if part == 2 else "w13"
+        return f"{found['layer']}mlp.experts.{param}", (int(found["e"]), part)
+    found = _ROUTER.match(ckpt_name)
+    if found:
+        return f"{found['layer']}mlp.gate.weight", None
+    return None
+
+
+def hf_expert_tensors(cfg: ModelConfig, layer: int, w13: torch.Tensor, w2: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A TP=1 layer's stacked experts as the checkpoint's per-expert tensors (views)."""
+    names = [n for n in expert_names(cfg, layer) if ".experts." in n]
+    out = {}
+    for e in range(cfg.num_experts):
+        gate, up, down = names[3 * e : 3 * e + 3]
+        out[gate], out[up] = w13[e].chunk(2)
+        out[down] = w2[e]
+    return out
+
+
+class Experts(nn.Module):
+    """Every expert's gate/up (``w13``: [experts, 2 * local intermediate, hidden]) and down (``w2``: [experts,
+    hidden, local intermediate]) for this rank's slice of the intermediate dimension."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.local = divide(intermediate, get_tp().size, "moe_intermediate_size")
+        self.w13 = new_param(num_experts, 2 * self.local, hidden, loader=self._load)
+        self.w2 = new_param(num_experts, hidden, self.local, loader=self._load)
+
+    def _load(self, param: torch.Tensor, source: SliceSource, shard_id: Any) -> None:
+        expert, part = shard_id
+        start = get_tp().rank * self.local
+        if part == 2:
+            copy_into(param.data[expert], source[:, start : start + self.local])
+        else:
+            rows = slice(part * self.local, (part + 1) * self.local)
+            copy_into(param.data[expert, rows], source[start : start + self.local])
+
+
+class Router(nn.Module):
+    def __init__(self, num_experts: int, hidden: int) -> None:
+        super().__init__()
+        self.weight = new_param(num_experts, hidden, loader=load_replicated)
+
+
+class SparseMoE(nn.Module):
+    """Top-k routing (softmax over every expert, the k largest kept, renormalised where the family does)."""
+
+    def __init__(self, cfg: ModelConfig, kernels: Kernels) -> None:
+        super().__init__()
+        self.top_k = cfg.experts_per_token
+        self.renormalize = cfg.norm_topk_prob
+        self.gate = Router(cfg.num_experts, cfg.hidden_size)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.silu_and_mul = kernels.silu_and_mul
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [tokens, k] in x's dtype, expert ids [tokens, k])."""
+        probs = torch.softmax(F.linear(x, self.gate.weight).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        out = torch.zeros_like(x)
+        # Tokens grouped by expert: one sort, then each expert that got tokens runs on its rows alone.
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.experts.w13.shape[0]).tolist()
+        tokens = order // self.top_k
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = tokens[start : start + count]
+            picked = order[start : start + count]
+            start += count
+            hidden = self.silu_and_mul(F.linear(x[rows], self.experts.w13[expert]))
+            y = F.linear(hidden, self.experts.w2[expert]) * weights.flatten()[picked, None]
+            out.index_add_(0, rows, y)
+        return all_reduce(out) if get_tp().size > 1 else out

@@ -1,0 +1,49 @@
+"""Qwen3-30B-A3B and Mixtral-8x7B widths with 2 decoder layers, bf16 on the GPU, against HF float32
+(`pytest -m gpu`): the same budget as tests/test_gpu_families.py (twice HF bf16's own error, + 2e-3), through
+greedy generation, prefill and chunked prefill with decode steps. The experts run unfused and without CUDA
+graphs (models/moe.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from runtime import LLM, SamplingParams
+from tests.helpers import prefill_logits, relative_error
+from tests.test_gpu_families import hf_config, hf_logits, save_random_hf_model
+
+pytestmark = pytest.mark.gpu
+
+PROMPT_LENS = (7, 100, 300, 33)
+NEW_TOKENS = 8
+OVERRIDES = ["engine.device=cuda", "model.max_seq_len=1024", "cache.num_pages=512",
+             f"scheduler.max_running_requests={len(PROMPT_LENS)}"]
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_moe_bf16_logits_against_hf_float32(name, tmp_path):
+    path = save_random_hf_model(hf_config(name), tmp_path / name)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    llm = LLM(str(path), overrides=OVERRIDES)
+    eng = llm.engine
+    assert eng.dtype == torch.bfloat16 and eng.model_config.is_moe and eng.graph_runner is None
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    seqs = [p + o.token_ids for p, o in zip(prompts, outs)]
+    starts = [len(p) - 1 for p in prompts]
+    runs = {"prefill + decode": prefill_logits(eng, seqs, decode_tail=NEW_TOKENS),
+            "chunked prefill + decode": prefill_logits(eng, seqs, chunk=64, decode_tail=NEW_TOKENS)}
+    llm.shutdown()
+    del llm, eng
+    torch.cuda.empty_cache()
+    ref32 = hf_logits(path, seqs, starts, torch.float32)
+    hf16 = hf_logits(path, seqs, starts, torch.bfloat16)
+    for i, ref in enumerate(ref32):
+        budget = 2 * relative_error(hf16[i], ref) + 2e-3
+        for mode, logits in runs.items():
+            err = relative_error(logits[i][starts[i]:], ref)
+            print(f"{name} len {PROMPT_LENS[i]} {mode}: {err:.2e} (budget {budget:.2e})")
+            assert err <= budget, (name, PROMPT_LENS[i], mode)

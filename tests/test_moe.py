@@ -1,0 +1,173 @@
+"""Mixture-of-experts families (Qwen3-MoE, Mixtral) against HF transformers' own classes on tiny random
+checkpoints (float32, CPU): logits, greedy generation, TP=2 and TP=3 equal to TP=1 on every rank, and a
+checkpoint missing an expert tensor fails at load naming it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime import LLM, SamplingParams
+from tests.conftest import perturb_norms_and_biases
+from tests.helpers import make_engine, prefill_logits, relative_error
+from tests.tp_utils import run_ranks
+
+VOCAB = 320
+# 12 query heads over 6 KV heads, intermediate sizes divisible by 2 and 3: TP=2 and TP=3 both split them.
+COMMON = dict(vocab_size=VOCAB, hidden_size=96, num_hidden_layers=3, num_attention_heads=12, num_key_value_heads=6,
+              max_position_embeddings=1024, rms_norm_eps=1e-6, eos_token_id=None)
+
+
+def _families() -> dict[str, tuple]:
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return {
+        # top-4 of 8, renormalised, a dense layer (1) among sparse ones, GQA, q/k norms
+        "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(
+            **COMMON, head_dim=16, intermediate_size=192, moe_intermediate_size=48, num_experts=8,
+            num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+            rope_theta=1e6, tie_word_embeddings=False)),
+        # top-2 of 4, every layer sparse
+        "mixtral": (MixtralForCausalLM, MixtralConfig(
+            **COMMON, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6,
+            sliding_window=None)),
+    }
+
+
+def _save_random(name: str, path: Path, seed: int = 11) -> Path:
+    cls, cfg = _families()[name]
+    torch.manual_seed(seed)
+    model = cls(cfg).to(torch.float32)
+    with torch.no_grad():  # HF leaves the router at zero (every expert equally likely): make routing matter
+        for n, p in model.named_parameters():
+            if n.endswith(".gate.weight") or ".experts." in n:
+                p.normal_(0, 0.2 if n.endswith(".gate.weight") else 0.05)
+    perturb_norms_and_biases(model).save_pretrained(path, safe_serialization=True)
+    (path / "generation_config.json").write_text(json.dumps({}))  # no EOS: both sides generate every token
+    return path
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def moe_dir(request, tmp_path_factory) -> tuple[str, Path]:
+    return request.param, _save_random(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def _hf(path: Path):  # noqa: ANN202
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def _prompts(seed: int, lengths: tuple[int, ...] = (5, 23, 70)) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB - 1, (n,), generator=gen).tolist() for n in lengths]
+
+
+def test_config_reads_the_sparse_layers():
+    from models.config import ModelConfig
+
+    qwen = ModelConfig.from_dict(_families()["qwen3_moe"][1].to_dict())
+    assert qwen.is_moe and qwen.sparse_layers == (0, 2) and (qwen.num_experts, qwen.experts_per_token) == (8, 4)
+    assert qwen.moe_intermediate_size == 48 and qwen.norm_topk_prob and qwen.qk_norm
+    mixtral = ModelConfig.from_dict(_families()["mixtral"][1].to_dict())
+    assert mixtral.sparse_layers == (0, 1, 2) and mixtral.moe_intermediate_size == 96 and mixtral.norm_topk_prob
+    with pytest.raises(ValueError, match="num_experts_per_tok=9"):
+        ModelConfig.from_dict({**_families()["mixtral"][1].to_dict(), "num_experts_per_tok": 9})
+
+
+def test_logits_match_hf(moe_dir):
+    name, path = moe_dir
+    prompts = _prompts(1)
+    model = _hf(path)
+    with torch.no_grad():
+        ref = [model(torch.tensor([p])).logits[0] for p in prompts]
+        # the routing is not degenerate: the prompts' tokens spread over several experts
+        layer = model.model.layers[0].mlp
+        router = layer.gate.weight
+        picked = torch.topk(model.model.embed_tokens(torch.tensor(prompts[2])) @ router.T, 2).indices.unique()
+    assert len(picked) > 2
+    ours = prefill_logits(make_engine(path), prompts, chunk=9, decode_tail=3)
+    for o, r in zip(ours, ref):
+        assert relative_error(o, r) <= 1e-5, name
+
+
+def test_greedy_generation_matches_hf(moe_dir):
+    name, path = moe_dir
+    prompts = _prompts(2, (3, 17, 45, 8, 30, 11, 5, 60))
+    model = _hf(path)
+    llm = LLM(str(path), overrides=["engine.device=cpu", "model.dtype=float32"])
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)
+        assert o.token_ids == ref[0, len(p):].tolist(), name
+    llm.shutdown()
+
+
+def test_random_weights_have_the_checkpoint_layout_of_the_family(moe_dir):
+    from safetensors import safe_open
+
+    from models.config import ModelConfig
+    from models.weights.loader import checkpoint_shapes
+
+    name, path = moe_dir
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert checkpoint_shapes(ModelConfig.from_dir(path)) == saved, name
+
+
+def test_to_hf_state_dict_round_trips(moe_dir):
+    from safetensors.torch import load_file
+
+    from models.weights.loader import to_hf_state_dict
+
+    name, path = moe_dir
+    saved = load_file(str(path / "model.safetensors"))
+    ours = to_hf_state_dict(make_engine(path).model)
+    assert ours.keys() == saved.keys(), name
+    assert all(torch.equal(ours[k], saved[k]) for k in saved), name
+
+
+def test_a_missing_expert_tensor_fails_at_load_naming_it(moe_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    name, path = moe_dir
+    tensors = load_file(str(path / "model.safetensors"))
+    gone = next(k for k in sorted(tensors) if ".experts.3." in k)
+    del tensors[gone]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    (broken / "config.json").write_text((path / "config.json").read_text())
+    with pytest.raises(ValueError, match=f"missing: {gone.replace('.', '[.]')}"):
+        make_engine(broken)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_tp_equals_tp1_on_every_rank(moe_dir, world):
+    """Logits (chunked prefill, decode) and generation (greedy, seeded, unseeded, top-k/top-p) at TP=2 and 3:
+    TP=1's, the same bits and tokens on every rank."""
+    from tests.test_tp import PARAMS, _check, logits_and_generation, reference
+
+    name, path = moe_dir
+    prompts, gen_prompts = _prompts(3), _prompts(4, (3, 17, 45, 8, 30))
+    ref = reference(str(path), prompts, gen_prompts, PARAMS)
+    _check(run_ranks(world, logits_and_generation, str(path), prompts, gen_prompts, PARAMS), ref)
+
+
+@pytest.mark.parametrize("name,arch,params_b,sparse", [
+    ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", 30.5, 48), ("mixtral-8x7b", "MixtralForCausalLM", 46.7, 32),
+])
+def test_real_shape_configs_load_as_their_family(name, arch, params_b, sparse):
+    """configs/models/ keeps the real MoE shapes (GPU numerics, benchmarks on random weights)."""
+    from models.config import ModelConfig
+    from models.weights.loader import checkpoint_shapes
+
+    cfg = ModelConfig.from_dir(Path(__file__).resolve().parents[1] / "configs" / "models" / name)
+    assert cfg.architecture == arch and len(cfg.sparse_layers) == sparse
+    total = sum(torch.Size(s).numel() for s in checkpoint_shapes(cfg).values())
+    assert abs(total / 1e9 - params_b) < 0.1, total  # the published parameter counts
