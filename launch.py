@@ -67,36 +67,30 @@ def configure_cpu_threads(local_ranks: int, environ: MutableMapping[str, str] = 
         environ.setdefault("GOMP_SPINCOUNT", str(GOMP_SPINCOUNT))
 
 
-def run_leader(cfg: RuntimeConfig, serve_http: bool = False) -> int:
-    from parallel.state import get_tp
+def run_leader(cfg: RuntimeConfig, serve_http: bool = False, output_locked: bool = False) -> int:
+    """``output_locked``: main() holds job.output's lock for this run."""
     from runtime.frontend.llm import LLM
     from runtime.frontend.signals import Drain, install_drain_handlers, restore_default_signals
 
     drain = Drain()
     install_drain_handlers(drain)  # before the long model load, so a signal still drains cleanly
-    locked = bool(cfg.job.input) and cfg.job.lock and get_tp().dp_rank == 0
     try:
-        with contextlib.ExitStack() as held:
-            if locked:
-                from runtime.frontend.job import output_lock
+        llm = LLM(config=cfg)
+        llm.drain = drain
+        try:
+            if serve_http:
+                import asyncio
 
-                held.enter_context(output_lock(Path(cfg.job.output), cfg.job.lock_wait_s))
-            llm = LLM(config=cfg)
-            llm.drain = drain
-            try:
-                if serve_http:
-                    import asyncio
+                from runtime.frontend.server import run_server
 
-                    from runtime.frontend.server import run_server
-
-                    return asyncio.run(run_server(llm, cfg.server))
-                return serve_as_own_error(cfg, llm, drain, locked)
-            except BaseException:
-                with contextlib.suppress(Exception):  # a dead peer must not mask the first error
-                    llm.shutdown()
-                raise
-            finally:
+                return asyncio.run(run_server(llm, cfg.server))
+            return serve_as_own_error(cfg, llm, drain, output_locked)
+        except BaseException:
+            with contextlib.suppress(Exception):  # a dead peer must not mask the first error
                 llm.shutdown()
+            raise
+        finally:
+            llm.shutdown()
     finally:
         restore_default_signals()
 
@@ -212,10 +206,22 @@ def main(argv: list[str] | None = None) -> int:
 
     rank = read_torchrun_env().rank
     logging.basicConfig(level=cfg.logging.level, format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
+    held = contextlib.ExitStack()
+    locked = bool(cfg.job.input) and cfg.job.lock and rank == 0  # global rank 0 leads replica 0, the output's writer
+    if locked:  # before any collective: a second run stops here, before its peers or its model start
+        from runtime.frontend.job import output_lock
+        from runtime.frontend.output_lock import OutputLocked
+
+        try:
+            held.enter_context(output_lock(Path(cfg.job.output), cfg.job.lock_wait_s))
+        except OutputLocked as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return 1
     try:
-        tp = init_distributed(wants_cuda(cfg.engine.device), cfg.parallel.timeout_s, tp_size=cfg.parallel.tp_size)
-        code = run_leader(cfg, args.serve) if tp.rank == 0 else run_worker(cfg)
-        report_peak_memory(tp.global_rank)
+        with held:
+            tp = init_distributed(wants_cuda(cfg.engine.device), cfg.parallel.timeout_s, tp_size=cfg.parallel.tp_size)
+            code = run_leader(cfg, args.serve, locked) if tp.rank == 0 else run_worker(cfg)
+            report_peak_memory(tp.global_rank)
     except KeyboardInterrupt:
         print(f"rank {rank}: interrupted (a second Ctrl-C); finished rows are on disk", file=sys.stderr, flush=True)
         exit_now(130)
