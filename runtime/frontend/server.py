@@ -159,13 +159,8 @@ def _gone(request: web.Request) -> bool:
 async def _wait(request: web.Request, state: ServerState, call: Call) -> bool:
     """Until the call is finished (True) or its client has gone (False: the call is aborted)."""
     while not call.finished:
-        try:
-            await asyncio.wait_for(call.changed.wait(), DISCONNECT_POLL_S)
-        except asyncio.TimeoutError:
-            if _gone(request):
-                state.serving.abort(call)
-                return False
-        call.changed.clear()
+        if not await _wait_changed(request, state, call):
+            return False
     return True
 
 
