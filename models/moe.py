@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models import fused_moe
 from models.config import ModelConfig
 from models.layers import SliceSource, copy_into, divide, load_replicated, new_param
 from models.ops import Kernels
@@ -23,6 +24,10 @@ from parallel import all_reduce, get_tp
 _EXPERT = re.compile(r"^(?P<layer>model\.layers\.\d+\.)(?:mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\."
                      r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
+# Benchmarks set this before building a model: each sparse layer then counts the distinct experts its steps use
+# (``SparseMoE.touched``), the bytes a step really reads.
+COUNT_TOUCHED_EXPERTS = False
+
 _ROUTER = re.compile(r"^(?P<layer>model\.layers\.\d+\.)(?:mlp|block_sparse_moe)\.gate\.weight$")
 
 
@@ -102,19 +107,33 @@ class SparseMoE(nn.Module):
         self.gate = Router(cfg.num_experts, cfg.hidden_size)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.silu_and_mul = kernels.silu_and_mul
+        self.linear = kernels.linear  # batch-invariant under engine.deterministic
+        self.fused = kernels.fused_moe
+        if COUNT_TOUCHED_EXPERTS:
+            self.register_buffer("touched", torch.zeros((), dtype=torch.int64), persistent=False)
+        else:
+            self.touched = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [tokens, k] in x's dtype, expert ids [tokens, k])."""
-        probs = torch.softmax(F.linear(x, self.gate.weight).float(), dim=-1)
+        probs = torch.softmax(self.linear(x, self.gate.weight).float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            out = fused_moe.fused_moe(x, self.linear(x, self.gate.weight), self.experts.w13, self.experts.w2,
+                                      self.top_k, self.renormalize, self.touched)
+        else:
+            out = self.forward_torch(x)
+        return all_reduce(out) if get_tp().size > 1 else out
+
+    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
+        """The CPU path: tokens grouped by expert on the host, each expert that got tokens run on its rows."""
         weights, ids = self.route(x)
         out = torch.zeros_like(x)
-        # Tokens grouped by expert: one sort, then each expert that got tokens runs on its rows alone.
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.experts.w13.shape[0]).tolist()
@@ -129,4 +148,4 @@ class SparseMoE(nn.Module):
             hidden = self.silu_and_mul(F.linear(x[rows], self.experts.w13[expert]))
             y = F.linear(hidden, self.experts.w2[expert]) * weights.flatten()[picked, None]
             out.index_add_(0, rows, y)
-        return all_reduce(out) if get_tp().size > 1 else out
+        return out

@@ -85,6 +85,7 @@ class Kernels:
     # A batch-invariant GEMM under engine.deterministic.
     linear: Callable[..., torch.Tensor] = F.linear
     fused_gemv: bool = False
+    fused_moe: bool = False  # models/fused_moe.py's Triton kernels for the experts (CUDA)
 
 
 TORCH_KERNELS = Kernels(_rms_norm_torch, _add_rms_norm_torch, _silu_and_mul_torch)

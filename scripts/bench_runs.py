@@ -84,18 +84,55 @@ def measure_limits(device: torch.device) -> dict[str, float]:
     return {"hbm_gbps": bandwidth / 1e9, "bf16_tflops": peak / 1e12}
 
 
-def roofline_seconds(llm, log: StepLog, limits: dict[str, float]) -> float:  # noqa: ANN001
+class TouchedExperts:
+    """The distinct experts each forward used, summed over the sparse layers: models/moe.py counts them on the
+    device, and a snapshot after each forward (on the engine stream, no host wait) turns totals into steps."""
+
+    def __init__(self, engine) -> None:  # noqa: ANN001
+        self.engine = engine
+        self.counters = [m.touched for m in engine.model.modules() if getattr(m, "touched", None) is not None]
+        self.snapshots = [self._total()]
+        self._inner = engine.forward_batch
+        engine.forward_batch = self._counted
+
+    def _total(self) -> torch.Tensor:
+        with torch.cuda.stream(self.engine.stream):
+            return torch.stack(self.counters).sum()
+
+    def _counted(self, batch):  # noqa: ANN001, ANN202
+        out = self._inner(batch)
+        self.snapshots.append(self._total())
+        return out
+
+    def per_step(self) -> list[int]:
+        totals = torch.stack(self.snapshots).tolist()
+        return [b - a for a, b in zip(totals, totals[1:])]
+
+
+def expert_params(model) -> tuple[int, int]:  # noqa: ANN001
+    """(parameters of every expert of every layer, parameters of one expert summed over the sparse layers)."""
+    stacks = [p for n, p in model.named_parameters() if ".experts." in n]
+    return sum(p.numel() for p in stacks), sum(p[0].numel() for p in stacks)
+
+
+def roofline_seconds(llm, log: StepLog, limits: dict[str, float], touched: list[int] | None = None) -> float:  # noqa: ANN001
+    """With ``touched`` (distinct experts per step, summed over layers), a step reads only those experts' weights."""
     mc = llm.model_config
     model = llm.engine.model
-    weight_bytes = llm.engine.weight_bytes
+    itemsize = llm.engine.dtype.itemsize
+    all_experts, one_expert = expert_params(model)
+    dense_bytes = llm.engine.weight_bytes - all_experts * itemsize
+    expert_bytes = one_expert * itemsize // max(len(mc.sparse_layers), 1)
     matmul_params = sum(p.numel() for n, p in model.named_parameters() if "norm" not in n and "embed" not in n)
+    matmul_params += mc.experts_per_token * one_expert - all_experts  # a token runs its top-k experts only
     if mc.tie_word_embeddings:
         matmul_params += model.lm_head.weight.numel()
-    kv_token_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * llm.engine.dtype.itemsize
+    kv_token_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize
     bw, peak = limits["hbm_gbps"] * 1e9, limits["bf16_tflops"] * 1e12
+    touched = touched or [mc.num_experts * len(mc.sparse_layers)] * len(log.tokens)
     total = 0.0
-    for tokens, kv_read, pairs in zip(log.tokens, log.kv_read, log.attn_pairs):
-        bytes_moved = weight_bytes + kv_read * kv_token_bytes + tokens * kv_token_bytes
+    for tokens, kv_read, pairs, experts in zip(log.tokens, log.kv_read, log.attn_pairs, touched):
+        bytes_moved = dense_bytes + experts * expert_bytes + kv_read * kv_token_bytes + tokens * kv_token_bytes
         flops = 2 * matmul_params * tokens + 4 * mc.num_layers * mc.num_heads * mc.head_dim * pairs
         total += max(bytes_moved / bw, flops / peak)
     return total
@@ -138,8 +175,10 @@ def decode_idle(steps: list[tuple[float, float, bool]]) -> dict[str, float]:
 
 
 def run_tpinfer(cfg: BenchConfig, fixed: bool | str, limits: dict[str, float] | None) -> dict:
+    from models import moe
     from runtime import LLM, SamplingParams
 
+    moe.COUNT_TOUCHED_EXPERTS = True  # read only by sparse models
     llm = LLM(config=cfg)
     prompts, outs = workload(cfg, fixed)
     b = cfg.bench
@@ -150,6 +189,7 @@ def run_tpinfer(cfg: BenchConfig, fixed: bool | str, limits: dict[str, float] | 
     llm.generate(warm, [SamplingParams(temperature=cfg.bench.temperature, max_new_tokens=16, ignore_eos=True)] * 8)
     log = StepLog()
     timer = StepTimer(llm.engine) if llm.engine.stream is not None else None
+    experts = TouchedExperts(llm.engine) if llm.model_config.is_moe else None
     warm_prefill, warm_cached = llm.scheduler.stats.prefill_tokens, llm.scheduler.stats.cached_tokens
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -170,8 +210,14 @@ def run_tpinfer(cfg: BenchConfig, fixed: bool | str, limits: dict[str, float] | 
         "steps": len(log.tokens), "decode_steps": int(sum(log.decode)), "kv_pages": llm.engine.num_pages,
         "graphs": llm.engine.graph_runner is not None, "overlap": cfg.scheduler.overlap,
     }
+    touched = experts.per_step() if experts else None
+    if touched:
+        layers = len(llm.model_config.sparse_layers)
+        decode = [t / layers for t, d in zip(touched, log.decode) if d]
+        row.update(experts_touched_per_layer_step=sum(touched) / layers / len(touched),
+                   experts_touched_per_layer_decode_step=sum(decode) / max(len(decode), 1))
     if limits:
-        roof = roofline_seconds(llm, log, limits)
+        roof = roofline_seconds(llm, log, limits, touched)
         row.update(roofline_s=roof, roofline_share=roof / seconds)
     if timer:
         row.update(timer.summary())
@@ -221,7 +267,8 @@ def run_hf(cfg: BenchConfig, mode: str) -> dict:
     hf_cfg = AutoConfig.from_pretrained(str(model_dir))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_cfg)
-    keys = model.load_state_dict(to_hf_state_dict(owner.engine.model), strict=False, assign=True)
+    keys = model.load_state_dict(to_hf_state_dict(owner.engine.model, stacked_experts=True), strict=False,
+                                 assign=True)
     missing = [k for k in keys.missing_keys if not (hf_cfg.tie_word_embeddings and k == "lm_head.weight")]
     if missing or keys.unexpected_keys:  # the peer must be the same model, not a silently partial one
         raise RuntimeError(f"HF peer does not match our weights: missing {missing}, unexpected {keys.unexpected_keys}")

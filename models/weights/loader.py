@@ -21,7 +21,7 @@ from models.ops import TORCH_KERNELS, Kernels
 
 
 def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Replace meta parameters by uninitialised ones on ``device``, keeping ties and loaders."""
+    """Replace meta parameters by uninitialised ones on ``device``, keeping ties and loaders; buffers start at zero."""
     done: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module._parameters.items()):
@@ -32,6 +32,9 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> N
                 new.weight_loader = getattr(param, "weight_loader", load_replicated)  # type: ignore[attr-defined]
                 done[id(param)] = new
             module._parameters[name] = done[id(param)]
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                module._buffers[name] = torch.zeros(buffer.shape, dtype=buffer.dtype, device=device)
 
 
 @contextlib.contextmanager
@@ -199,8 +202,10 @@ def randomize(model: LlamaForCausalLM, seed: int) -> None:
             del full
 
 
-def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    """HF-named views of a TP=1 model's weights (fused projections split back), sharing memory."""
+def to_hf_state_dict(model: LlamaForCausalLM, stacked_experts: bool = False) -> dict[str, torch.Tensor]:
+    """HF-named views of a TP=1 model's weights (fused projections split back), sharing memory. Experts as the
+    checkpoints name them, or with ``stacked_experts`` as HF's modules hold them (``mlp.experts.gate_up_proj``
+    [experts, 2 * intermediate, hidden], ``down_proj``: our layout)."""
     cfg = model.config
     d = cfg.head_dim
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
@@ -209,6 +214,10 @@ def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
         if ".qkv_proj." in name:
             for part, piece in zip(("q_proj", "k_proj", "v_proj"), param.data.split([q, kv, kv])):
                 out[name.replace("qkv_proj", part)] = piece
+        elif stacked_experts and ".mlp.experts." in name:
+            out[name.replace(".w13", ".gate_up_proj").replace(".w2", ".down_proj")] = param.data
+        elif stacked_experts and ".mlp.gate.weight" in name:
+            out[name] = param.data
         elif name.endswith(".mlp.experts.w13"):
             layer = int(name.split(".")[2])
             w2 = dict(model.named_parameters())[name[: -len("w13")] + "w2"]

@@ -87,8 +87,11 @@ class Engine:
         fused = cfg.engine.fused_gemv != "never" and not cfg.engine.deterministic
         if fused and triton_gpu and self.tp_size == 1 and cfg.engine.cuda_graph_max_bs > 0:
             kernels = dataclasses.replace(kernels, fused_gemv=True)
+        if triton_gpu and model_config.is_moe:
+            kernels = dataclasses.replace(kernels, fused_moe=True)
         if cfg.engine.deterministic:
             kernels = dataclasses.replace(kernels, linear=self._invariant_linear(on_gpu))
+        self.kernels = kernels
         free_before = self._free_memory()
         self.model = load_model(
             model_dir, model_config, self.device, self.dtype, self.max_seq_len + 1,
@@ -141,10 +144,8 @@ class Engine:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.check_tokens = cfg.parallel.check_tokens and self.tp_size > 1
         self.graph_runner = None
-        # The mixture-of-experts layers size their work on the host (tokens per expert): not capturable yet.
-        graphs = cfg.engine.cuda_graph_max_bs > 0 and not self.model_config.is_moe
-        if self.stream is not None and self.model_config.is_moe and cfg.engine.cuda_graph_max_bs > 0:
-            log.warning("%s: mixture-of-experts layers run without CUDA graphs", self.model_config.architecture)
+        # The unfused experts size their work on the host (tokens per expert), which a graph cannot capture.
+        graphs = cfg.engine.cuda_graph_max_bs > 0 and (self.kernels.fused_moe or not self.model_config.is_moe)
         if self.stream is not None and self.attn_backend.supports_graphs and graphs:
             from runtime.engine.graph import GraphRunner
 

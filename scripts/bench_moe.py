@@ -1,0 +1,90 @@
+"""The fused experts (models/fused_moe.py) alone, in a CUDA graph: time per call and the bandwidth it reaches on the
+bytes it must read (the experts the router chose, once each), against a copy's bandwidth measured in the run.
+
+    python scripts/bench_moe.py [--sweep]     # --sweep also times every tile of SWEEP at each shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models import fused_moe  # noqa: E402
+from scripts.bench_runs import measure_limits  # noqa: E402
+
+# name: (experts, top_k, hidden, intermediate)
+SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
+TOKENS = (1, 16, 64, 256, 512)
+SWEEP = [(16, 32, 4, 4), (16, 64, 4, 4), (16, 128, 4, 3), (32, 64, 4, 4), (32, 128, 4, 3), (64, 64, 4, 4),
+         (64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3)]
+
+
+def time_graph(fn, reps: int = 50) -> float:  # noqa: ANN001
+    """Seconds per call of ``fn`` replayed from a CUDA graph."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.synchronize()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+def measure(shape: tuple[int, int, int, int], tokens: int, tile: tuple[int, int, int, int] | None) -> dict:
+    experts, top_k, hidden, inter = shape
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    logits = torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16, generator=gen) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16, generator=gen) / inter**0.5
+    touched = int(torch.topk(logits.float(), top_k, dim=-1).indices.unique().numel())
+    default = fused_moe.tile
+    if tile is not None:
+        fused_moe.tile = lambda pairs, experts: tile
+    try:
+        seconds = time_graph(lambda: fused_moe.fused_moe(x, logits, w13, w2, top_k, True))
+    finally:
+        fused_moe.tile = default
+    moved = touched * 3 * hidden * inter * 2 + tokens * hidden * 2 * 2
+    return {"tokens": tokens, "experts_touched": touched, "us": seconds * 1e6, "gbps": moved / seconds / 1e9,
+            "tile": list(tile or default(tokens * top_k, experts))}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    limits = measure_limits(torch.device("cuda"))
+    results: dict = {"limits": limits, "shapes": {}}
+    for name, shape in SHAPES.items():
+        rows = []
+        for tokens in TOKENS:
+            row = measure(shape, tokens, None)
+            if args.sweep:
+                row["sweep"] = {str(t): round(measure(shape, tokens, t)["us"], 1) for t in SWEEP}
+            row["share_of_copy_bandwidth"] = row["gbps"] / limits["hbm_gbps"]
+            print(name, json.dumps(row), flush=True)
+            rows.append(row)
+        results["shapes"][name] = rows
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,106 @@
+"""models/fused_moe.py's Triton kernels against a float64 reference, on CPU through Triton's interpreter (conftest
+sets TRITON_INTERPRET=1 where there is no GPU; tests/test_gpu_moe.py runs them compiled in bf16 at real widths)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models import fused_moe
+from models.config import ModelConfig
+from models.moe import SparseMoE
+from models.ops import TORCH_KERNELS
+
+pytestmark = pytest.mark.skipif(fused_moe.triton is None or (not torch.cuda.is_available()
+                                                             and os.environ.get("TRITON_INTERPRET") != "1"),
+                                reason="needs Triton (its interpreter on CPU)")
+
+
+def reference_moe(x, logits, w13, w2, top_k: int, renormalize: bool, dtype: torch.dtype = torch.float64,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+    """Each expert on its tokens in ``dtype`` (float64: the reference; bf16: torch's own rounding, a budget);
+    also the expert ids chosen."""
+    x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
+    weights, ids = torch.topk(torch.softmax(logits.double(), dim=-1), top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights.to(dtype)
+    inter = w13.shape[1] // 2
+    out = torch.zeros_like(x)
+    for expert in ids.unique().tolist():
+        tokens, slot = torch.nonzero(ids == expert, as_tuple=True)
+        gate_up = x[tokens] @ w13[expert].T
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        out.index_add_(0, tokens, (act @ w2[expert].T) * weights[tokens, slot, None])
+    return out, ids
+
+
+def random_layer(tokens: int, experts: int, hidden: int, inter: int, empty: int | None, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Tokens, router logits (expert ``empty`` never chosen) and weights scaled to unit-size outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    logits = torch.randn(tokens, experts, generator=gen)
+    if empty is not None:
+        logits[:, empty] = -30.0
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
+    return tuple(t.to(device=device, dtype=dtype) for t in (x, logits, w13, w2))
+
+
+# (tokens, experts, top_k, hidden, intermediate, renormalise, expert that gets no token): K and N not multiples
+# of the tiles, a single token, more pairs per expert than one row block holds, experts not a power of two.
+SHAPES = [(1, 8, 2, 64, 96, True, None), (5, 8, 2, 80, 40, True, 3), (40, 6, 4, 72, 64, False, 0),
+          (70, 4, 1, 64, 32, False, None), (9, 12, 8, 48, 24, True, 11)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fused_moe_matches_float64(shape):
+    tokens, experts, top_k, hidden, inter, renormalize, empty = shape
+    x, logits, w13, w2 = random_layer(tokens, experts, hidden, inter, empty)
+    touched = torch.zeros((), dtype=torch.int64)
+    out = fused_moe.fused_moe(x, logits, w13, w2, top_k, renormalize, touched)
+    ref, ids = reference_moe(x, logits, w13, w2, top_k, renormalize)
+    assert out.shape == (tokens, hidden) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert touched.item() == len(set(ids.flatten().tolist()))
+    if empty is not None:
+        assert empty not in ids
+
+
+def test_route_layout_is_each_experts_pairs_padded_to_blocks():
+    tokens, experts, top_k, block_m = 37, 6, 3, 16
+    _, logits, _, _ = random_layer(tokens, experts, 8, 8, empty=2)
+    weights, sorted_pairs, block_expert, total = fused_moe.route(logits, top_k, True, block_m)
+    ref_w, ref_ids = torch.topk(torch.softmax(logits.double(), -1), top_k, dim=-1)
+    torch.testing.assert_close(weights.double(), (ref_w / ref_w.sum(-1, keepdim=True)).flatten(), rtol=1e-6, atol=0)
+    counts = torch.bincount(ref_ids.flatten(), minlength=experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    assert total.item() == padded.sum().item()
+    rows = sorted_pairs[: total.item()]
+    real = rows[rows < tokens * top_k]
+    assert sorted(real.tolist()) == list(range(tokens * top_k))  # every pair exactly once; the rest is padding
+    for block in range(total.item() // block_m):
+        pairs = rows[block * block_m : (block + 1) * block_m]
+        pairs = pairs[pairs < tokens * top_k]
+        assert (ref_ids.flatten()[pairs] == block_expert[block]).all()
+    assert (block_expert[total.item() // block_m :] == experts).all()  # past the end: no expert
+
+
+def test_sparse_moe_fused_equals_its_torch_path():
+    cfg = ModelConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4, rope_scaling=None,
+                      max_position_embeddings=64, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+                      torch_dtype="float32", architecture="Qwen3MoeForCausalLM", moe=True, num_experts=8,
+                      experts_per_token=2, moe_intermediate_size=48, sparse_layers=(0,))
+    layer = SparseMoE(cfg, TORCH_KERNELS)
+    gen = torch.Generator().manual_seed(1)
+    for param in layer.parameters():
+        param.data = torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5
+    x = torch.randn(13, cfg.hidden_size, generator=gen)
+    expected = layer(x)
+    layer.fused = True
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
