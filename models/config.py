@@ -48,6 +48,13 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
     sparse_layers: tuple[int, ...] = ()  # layers whose MLP is the mixture of experts; the others are dense
+    # How the attention and dense MLP projections are stored: "none" (the model dtype) or "fp8" (models/fp8.py).
+    # A run-time choice (model.quantization), not read from config.json.
+    quantization: str = "none"
+
+    @property
+    def fp8(self) -> bool:
+        return self.quantization == "fp8"
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers
@@ -63,6 +70,11 @@ class ModelConfig:
         arch = next((a for a in archs if a in FAMILIES), None)
         if arch is None:
             raise ValueError(f"model architecture {archs} is not supported; expected one of {SUPPORTED_ARCHITECTURES}")
+        quant = cfg.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else quant
+            raise ValueError(f"config.json's quantization_config (quant_method {method!r}) is not supported: load a "
+                             f"bf16, fp16 or fp32 checkpoint, and model.quantization=fp8 quantises it at load")
         window = cfg.get("sliding_window")
         if window not in (None, 0) and cfg.get("use_sliding_window", True) and \
                 window < int(cfg.get("max_position_embeddings", 4096)):

@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models import fp8
 from models.ops import TORCH_KERNELS, Kernels
-from parallel import all_gather_last_dim, all_reduce, get_tp, linear_all_reduce
+from parallel import all_gather_last_dim, all_reduce, all_reduce_max, get_tp, linear_all_reduce
 
 LinearFn = Callable[..., torch.Tensor]
 
@@ -50,22 +51,44 @@ def load_replicated(param: torch.Tensor, source: SliceSource, shard_id: Any = No
     copy_into(param.data, source[:])
 
 
-def _shard_rows(param: torch.Tensor, source: SliceSource) -> None:
-    rows = param.shape[0]
-    start = get_tp().rank * rows
-    copy_into(param.data, source[start : start + rows])
-
-
-def _shard_cols(param: torch.Tensor, source: SliceSource) -> None:
-    cols = param.shape[1]
-    start = get_tp().rank * cols
-    copy_into(param.data, source[:, start : start + cols])
-
-
-def new_param(*shape: int, loader: Any) -> nn.Parameter:
-    param = nn.Parameter(torch.empty(*shape), requires_grad=False)
+def new_param(*shape: int, loader: Any, dtype: torch.dtype | None = None) -> nn.Parameter:
+    """A parameter in the model's dtype, or in ``dtype`` whatever the model's (FP8 weights, their scales)."""
+    param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
     param.weight_loader = loader  # type: ignore[attr-defined]
+    param.fixed_dtype = dtype  # type: ignore[attr-defined]
     return param
+
+
+class _Linear(nn.Module):
+    """A TP linear layer's weight, in the model's dtype or in FP8 with a scale per output row (models/fp8.py).
+
+    Subclasses say which rows of the weight a checkpoint tensor fills and with what (``_rows``); an FP8 weight
+    is quantised as it is written, each rank quantising only its slice."""
+
+    def _init_weight(self, rows: int, cols: int, quantized: bool) -> None:
+        self.weight = new_param(rows, cols, loader=self._load, dtype=fp8.FP8 if quantized else None)
+        self.weight_scale = new_param(rows, loader=None, dtype=torch.float32) if quantized else None
+
+    def _rows(self, param: torch.Tensor, source: SliceSource, shard_id: Any) -> tuple[slice, torch.Tensor, Any]:
+        """(rows of ``param`` to fill, their values, and what quantising them needs: the per-row amax of the
+        whole checkpoint rows when this rank holds only some of their columns, else None)."""
+        raise NotImplementedError
+
+    def _load(self, param: torch.Tensor, source: SliceSource, shard_id: Any = None) -> None:
+        rows, loaded, full_rows = self._rows(param, source, shard_id)
+        if param is not self.weight or self.weight_scale is None:
+            copy_into(param.data[rows], loaded)
+            return
+        loaded = loaded.to(param.device)
+        amax = None if full_rows is None else full_rows.to(param.device).abs().amax(dim=-1)
+        values, scale = fp8.quantize_rows(loaded, amax)
+        copy_into(param.data[rows], values)
+        copy_into(self.weight_scale.data[rows], scale)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return fp8.linear(x, self.weight, self.weight_scale, bias)
+        return self.linear_fn(x, self.weight, bias)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -109,44 +132,47 @@ class ParallelLMHead(VocabParallelEmbedding):
         return all_gather_last_dim(logits)[..., : self.vocab_size]
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_Linear):
     """Output features split over ranks; no communication."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, linear: LinearFn = F.linear) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, linear: LinearFn = F.linear,
+                 quantized: bool = False) -> None:
         super().__init__()
         self.linear_fn = linear
         out_local = divide(out_features, get_tp().size, "output features")
-        self.weight = new_param(out_local, in_features, loader=self._load)
+        self._init_weight(out_local, in_features, quantized)
         self.bias = new_param(out_local, loader=self._load) if bias else None
 
-    def _load(self, param: torch.Tensor, source: SliceSource, shard_id: Any = None) -> None:
-        _shard_rows(param, source)
+    def _rows(self, param: torch.Tensor, source: SliceSource, shard_id: Any) -> tuple[slice, torch.Tensor, Any]:
+        start = get_tp().rank * param.shape[0]
+        return slice(None), source[start : start + param.shape[0]], None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fn(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections fused along the output (gate and up)."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, linear: LinearFn = F.linear) -> None:
-        super().__init__(in_features, sum(out_sizes), bias, linear)
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, linear: LinearFn = F.linear,
+                 quantized: bool = False) -> None:
+        super().__init__(in_features, sum(out_sizes), bias, linear, quantized)
         tp = get_tp().size
         self.local_sizes = [divide(n, tp, "output features") for n in out_sizes]
 
-    def _load(self, param: torch.Tensor, source: SliceSource, shard_id: Any = None) -> None:
+    def _rows(self, param: torch.Tensor, source: SliceSource, shard_id: Any) -> tuple[slice, torch.Tensor, Any]:
         index = int(shard_id)
         size = self.local_sizes[index]
         offset = sum(self.local_sizes[:index])
         start = get_tp().rank * size
-        copy_into(param.data[offset : offset + size], source[start : start + size])
+        return slice(offset, offset + size), source[start : start + size], None
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused Q, K and V split by heads; with fewer KV heads than ranks, KV heads are replicated."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
-                 linear: LinearFn = F.linear) -> None:
+                 linear: LinearFn = F.linear, quantized: bool = False) -> None:
         tp = get_tp()
         self.num_heads = divide(num_heads, tp.size, "num_attention_heads")
         if num_kv_heads >= tp.size:
@@ -161,9 +187,9 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.kv_head_start = tp.rank // (tp.size // num_kv_heads)
         self.head_dim = head_dim
         local_out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        super().__init__(hidden, local_out * tp.size, bias, linear)
+        super().__init__(hidden, local_out * tp.size, bias, linear, quantized)
 
-    def _load(self, param: torch.Tensor, source: SliceSource, shard_id: Any = None) -> None:
+    def _rows(self, param: torch.Tensor, source: SliceSource, shard_id: Any) -> tuple[slice, torch.Tensor, Any]:
         d = self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         if shard_id == "q":
@@ -171,24 +197,33 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
             size, start = kv_size, self.kv_head_start * d
-        copy_into(param.data[offset : offset + size], source[start : start + size])
+        return slice(offset, offset + size), source[start : start + size], None
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Linear):
     """Input features split over ranks; partial sums all-reduced, then the bias added once."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, linear: LinearFn = F.linear) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, linear: LinearFn = F.linear,
+                 quantized: bool = False) -> None:
         super().__init__()
         self.linear_fn = linear
         in_local = divide(in_features, get_tp().size, "input features")
-        self.weight = new_param(out_features, in_local, loader=self._load)
+        self._init_weight(out_features, in_local, quantized)
         self.bias = new_param(out_features, loader=load_replicated) if bias else None
 
-    def _load(self, param: torch.Tensor, source: SliceSource, shard_id: Any = None) -> None:
-        _shard_cols(param, source)
+    def _rows(self, param: torch.Tensor, source: SliceSource, shard_id: Any) -> tuple[slice, torch.Tensor, Any]:
+        cols = param.shape[1]
+        start = get_tp().rank * cols
+        # An FP8 row's scale comes from the whole checkpoint row, so every TP size stores the same weights.
+        full_rows = source[:] if self.weight_scale is not None and get_tp().size > 1 else None
+        return slice(None), source[:, start : start + cols], full_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.linear_fn is F.linear:
+        if self.weight_scale is not None:
+            # Each token's scale from its whole row, as at TP=1: one small all-reduce buys TP-invariant results.
+            amax = all_reduce_max(x.reshape(-1, x.shape[-1]).abs().amax(dim=-1).float())
+            out = all_reduce(fp8.linear(x, self.weight, self.weight_scale, None, amax))
+        elif self.linear_fn is F.linear:
             out = linear_all_reduce(x, self.weight)  # may write the GEMM straight into the all-reduce's buffer
         else:
             out = all_reduce(self.linear_fn(x, self.weight))

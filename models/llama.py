@@ -26,13 +26,13 @@ class LlamaAttention(nn.Module):
         self.layer_id = layer_id
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias or cfg.qkv_bias,
-            kernels.linear,
+            kernels.linear, cfg.fp8,
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.attention_bias,
-                                        kernels.linear)
+                                        kernels.linear, cfg.fp8)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels)
@@ -61,8 +61,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.silu_and_mul = kernels.silu_and_mul
         size = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], cfg.mlp_bias, kernels.linear)
-        self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias, kernels.linear)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], cfg.mlp_bias, kernels.linear,
+                                                       cfg.fp8)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias, kernels.linear, cfg.fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))

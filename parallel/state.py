@@ -82,6 +82,13 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """Elementwise maximum of ``x`` over the TP ranks, in place (FP8 activation scales shared by the ranks)."""
+    if _tp.size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=_device_group)
+    return x
+
+
 def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight)`` summed over the TP ranks (row-parallel layers)."""
     comm = _custom_all_reduce

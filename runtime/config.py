@@ -26,6 +26,8 @@ class ModelSection:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on GPU, float32 on CPU)
     max_seq_len: int = 4096  # capped at the model's max_position_embeddings
     random_weights: bool = False  # random weights (benchmarks); path then needs only config.json
+    # fp8: attention and dense MLP weights in FP8 (e4m3, a scale per output row), quantised at load
+    quantization: str = "none"
 
 
 @dataclass
@@ -153,6 +155,7 @@ class ConfigError(ValueError):
 
 _CHOICES = {
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "model.quantization": ("none", "fp8"),
     "engine.device": ("auto", "cpu", "cuda"),
     "cache.type": ("radix", "naive"),
     "engine.attention_backend": ("auto", "torch", "flashinfer"),
@@ -196,6 +199,9 @@ def _validate(cfg: RuntimeConfig) -> None:
         if value not in allowed:
             hint = " (YAML reads on/off/yes/no as booleans)" if str(value) in ("True", "False") else ""
             raise ConfigError(f"config key '{key}'={value!r} must be one of {list(allowed)}{hint}")
+    if cfg.engine.deterministic and cfg.model.quantization != "none":
+        raise ConfigError("engine.deterministic=true cannot be combined with model.quantization="
+                          f"{cfg.model.quantization} (its GEMMs are not batch-invariant)")
     for key in _POSITIVE:
         value = OmegaConf.select(node, key)
         if not value > 0:  # NaN too

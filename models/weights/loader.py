@@ -28,7 +28,8 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> N
             if param is None:
                 continue
             if id(param) not in done:
-                new = nn.Parameter(torch.empty(param.shape, device=device, dtype=dtype), requires_grad=False)
+                fixed = getattr(param, "fixed_dtype", None)
+                new = nn.Parameter(torch.empty(param.shape, device=device, dtype=fixed or dtype), requires_grad=False)
                 new.weight_loader = getattr(param, "weight_loader", load_replicated)  # type: ignore[attr-defined]
                 done[id(param)] = new
             module._parameters[name] = done[id(param)]
@@ -86,6 +87,8 @@ def load_model(
                     params[param_name].weight_loader(params[param_name], f.get_slice(ckpt_name), shard_id)
                     filled.add(param_name)
     # Guards checkpoint_shapes itself: an unfilled parameter would keep uninitialised memory.
+    # An FP8 weight's scale is written with the weight.
+    filled |= {n[: -len("weight")] + "weight_scale" for n in filled if n.endswith(".weight")}
     unfilled = sorted(set(params) - filled)
     if unfilled:
         raise RuntimeError(f"internal error: no checkpoint tensor of {path} was loaded into {unfilled}")

@@ -59,12 +59,15 @@ class Engine:
     def __init__(self, cfg: RuntimeConfig, model_dir: Path, model_config: ModelConfig) -> None:
         self.cfg = cfg
         self.model_dir = model_dir
+        model_config = dataclasses.replace(model_config, quantization=cfg.model.quantization)
         self.model_config = model_config
         on_gpu = wants_cuda(cfg.engine.device)
         self.device = torch.device("cuda", get_tp().local_rank) if on_gpu else torch.device("cpu")
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
         if on_gpu:
             torch.cuda.set_device(self.device)
+        if on_gpu and model_config.fp8:
+            _check_fp8_gpu(self.device, self.dtype)
         self.stream = torch.cuda.Stream(self.device) if on_gpu else None
         self.max_seq_len = min(cfg.model.max_seq_len, model_config.max_position_embeddings)
         self.page_size = cfg.cache.page_size
@@ -84,7 +87,8 @@ class Engine:
         if triton_gpu and add_norm.PREFERRED:
             kernels = dataclasses.replace(kernels, add_rms_norm=add_norm.add_rms_norm)
         # The fused single-token layers pay only inside CUDA graphs (Triton's eager launch overhead).
-        fused = cfg.engine.fused_gemv != "never" and not cfg.engine.deterministic
+        # The fused single-token layers read bf16/fp16 weights.
+        fused = cfg.engine.fused_gemv != "never" and not cfg.engine.deterministic and not model_config.fp8
         if fused and triton_gpu and self.tp_size == 1 and cfg.engine.cuda_graph_max_bs > 0:
             kernels = dataclasses.replace(kernels, fused_gemv=True)
         if triton_gpu and model_config.is_moe:
@@ -287,3 +291,11 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+
+def _check_fp8_gpu(device: torch.device, dtype: torch.dtype) -> None:
+    """FP8 GEMMs with row-wise scales need Ada or Hopper tensor cores and give bfloat16 results."""
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"model.quantization=fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                         f"{torch.cuda.get_device_name(device)} is {torch.cuda.get_device_capability(device)}")
+    if dtype != torch.bfloat16:
+        raise ValueError(f"model.quantization=fp8 on the GPU runs in bfloat16; model.dtype resolved to {dtype}")
