@@ -1,0 +1,92 @@
+"""How far a quantised model is from the same weights unquantised: teacher-forced on the same text, and greedy.
+
+    python scripts/eval_quantization.py [--model default] [--prompts 200] [--out benchmarks/fp8-quality.json]
+
+The text is the unquantised model's own greedy replies to 200 chat prompts (no dataset is downloaded). Both
+models read prompt + reply (prompt logprobs, fresh models so no prefix is cached); per reply token we compare
+the top-1 prediction and the token's log-likelihood. Then the quantised model answers the same prompts
+greedily: where does it first differ?
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runtime import LLM, SamplingParams  # noqa: E402
+
+TOPICS = ["the ocean", "volcanoes", "bread", "the moon", "chess", "rain", "bees", "libraries", "trains",
+          "mountains", "coffee", "music", "gardens", "snow", "bridges", "computers", "rivers", "birds",
+          "the desert", "cities", "forests", "clocks", "bicycles", "tea", "stars"]
+STYLES = ["Write two sentences about {}.", "Explain {} to a child.", "List three facts about {}.",
+          "Why do people like {}?", "Describe {} in one paragraph.", "What is the history of {}?",
+          "Give a tip about {}.", "Write a short poem about {}."]
+
+
+def chat_prompts(count: int) -> list[list[dict[str, str]]]:
+    texts = [style.format(topic) for style in STYLES for topic in TOPICS][:count]
+    return [[{"role": "user", "content": t}] for t in texts]
+
+
+def teacher_forced(model: str, overrides: list[str], seqs: list[list[int]]) -> list[list[dict]]:
+    """Each sequence's prompt logprobs (with the top-1 token) from a fresh model."""
+    llm = LLM(model, overrides=overrides)
+    outs = llm.generate(seqs, SamplingParams(temperature=0, max_new_tokens=1, prompt_logprobs=1))
+    llm.shutdown()
+    return [o.prompt_logprobs for o in outs]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--quantization", default="fp8")
+    parser.add_argument("--prompts", type=int, default=200)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("overrides", nargs="*", help="config overrides for both models, e.g. engine.device=cpu")
+    args = parser.parse_args()
+    greedy = SamplingParams(temperature=0, max_new_tokens=args.new_tokens)
+    conversations = chat_prompts(args.prompts)
+    quantized = [*args.overrides, f"model.quantization={args.quantization}"]
+    base = LLM(args.model, overrides=args.overrides)
+    replies = base.chat(conversations, greedy)
+    prompt_ids = [base.encode(c) for c in conversations]
+    base.shutdown()
+    seqs = [p + r.token_ids for p, r in zip(prompt_ids, replies)]
+    ref = teacher_forced(args.model, args.overrides, seqs)
+    ours = teacher_forced(args.model, quantized, seqs)
+    agree, nll_change = [], []
+    for a, b, prompt in zip(ref, ours, prompt_ids):
+        for x, y in zip(a[len(prompt):], b[len(prompt):]):  # the reply's tokens
+            agree.append(x["top"][0][0] == y["top"][0][0])
+            nll_change.append(x["logprob"] - y["logprob"])
+    quant = LLM(args.model, overrides=quantized)
+    generated = quant.chat(conversations, greedy)
+    quant.shutdown()
+    first_diff = []
+    for r, g in zip(replies, generated):
+        pairs = list(zip(r.token_ids, g.token_ids))
+        first_diff.append(next((i for i, (x, y) in enumerate(pairs) if x != y), len(pairs)))
+    result = {
+        "model": args.model, "quantization": args.quantization, "prompts": len(conversations),
+        "reply_tokens": sum(len(r.token_ids) for r in replies),
+        "top1_agreement": sum(agree) / len(agree),
+        "mean_nll_change_per_token": statistics.fmean(nll_change),
+        "mean_abs_logprob_change_per_token": statistics.fmean(map(abs, nll_change)),
+        "greedy_identical_replies": sum(d == len(r.token_ids) for d, r in zip(first_diff, replies)),
+        "greedy_first_difference_median": statistics.median(first_diff),
+        "command": " ".join(sys.argv),
+    }
+    print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
