@@ -4,6 +4,7 @@ against its own float32 weights, and the refusals."""
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 
@@ -77,17 +78,25 @@ def test_quantize_at_load_stores_each_checkpoint_row_quantised(tiny_llama_dir):
     dense = make_engine(tiny_llama_dir)
     quantized_params = sum(m.weight.numel() for m in modules.values())
     assert dense.weight_bytes - engine.weight_bytes >= len(engine.model.model.layers) * quantized_params * 3 * 0.99
+    del engine, dense
+    gc.collect()  # engines hold reference cycles and a CPU KV pool each
 
 
 def fp8_weights_and_logits(rank: int, model_dir: str, prompts: list[list[int]], quantization: str = "fp8") -> dict:
     engine = make_engine(model_dir, f"model.quantization={quantization}", "cache.page_size=4")
     if quantization == "none":
-        return {"logits": prefill_logits(engine, prompts, chunk=16, decode_tail=4)}
+        logits = prefill_logits(engine, prompts, chunk=16, decode_tail=4)
+        del engine
+        gc.collect()
+        return {"logits": logits}
     layer = engine.model.model.layers[0]
     weights = {name: (m.weight.view(torch.uint8).clone(), m.weight_scale.clone()) for name, m in
                (("o_proj", layer.self_attn.o_proj), ("gate_up_proj", layer.mlp.gate_up_proj),
                 ("down_proj", layer.mlp.down_proj))}
-    return {"weights": weights, "logits": prefill_logits(engine, prompts, chunk=16, decode_tail=4)}
+    logits = prefill_logits(engine, prompts, chunk=16, decode_tail=4)
+    del engine, layer
+    gc.collect()
+    return {"weights": weights, "logits": logits}
 
 
 @pytest.mark.slow
@@ -148,6 +157,7 @@ def test_default_model_fp8_stays_close_to_float32(default_model_dir):
     prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
     full = prefill_logits(make_engine(default_model_dir), prompts)
     quant = prefill_logits(make_engine(default_model_dir, "model.quantization=fp8"), prompts)
+    gc.collect()
     agree = torch.cat([(a.argmax(-1) == b.argmax(-1)) for a, b in zip(full, quant)]).float().mean().item()
     nll_change = []
     for a, b, p in zip(full, quant, prompts):
