@@ -129,10 +129,6 @@ if triton is not None:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
-def supported(device: torch.device) -> bool:
-    return triton is not None and device.type == "cuda"
-
-
 def tile(num_pairs: int, num_experts: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages) from the mean pairs per expert (scripts/bench_moe.py --sweep): row blocks
     about twice the mean, as the router fills experts unevenly; wide tiles once the tensor cores bind."""

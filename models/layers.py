@@ -85,11 +85,6 @@ class _Linear(nn.Module):
         copy_into(param.data[rows], values)
         copy_into(self.weight_scale.data[rows], scale)
 
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.weight_scale is not None:
-            return fp8.linear(x, self.weight, self.weight_scale, bias)
-        return self.linear_fn(x, self.weight, bias)
-
 
 class VocabParallelEmbedding(nn.Module):
     """Each rank holds ``ceil(vocab / tp)`` rows; ids outside the shard embed to zero before the all-reduce."""
@@ -148,7 +143,9 @@ class ColumnParallelLinear(_Linear):
         return slice(None), source[start : start + param.shape[0]], None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x, self.bias)
+        if self.weight_scale is not None:
+            return fp8.linear(x, self.weight, self.weight_scale, self.bias)
+        return self.linear_fn(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -220,7 +217,7 @@ class RowParallelLinear(_Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale is not None:
-            # Each token's scale from its whole row, as at TP=1: one small all-reduce buys TP-invariant results.
+            # Each token's scale from its whole row, as at TP=1 (one small all-reduce; see ARCHITECTURE.md).
             amax = all_reduce_max(x.reshape(-1, x.shape[-1]).abs().amax(dim=-1).float())
             out = all_reduce(fp8.linear(x, self.weight, self.weight_scale, None, amax))
         elif self.linear_fn is F.linear:

@@ -86,8 +86,8 @@ class Engine:
         triton_gpu = use_fi and gemv.supported(self.device)
         if triton_gpu and add_norm.PREFERRED:
             kernels = dataclasses.replace(kernels, add_rms_norm=add_norm.add_rms_norm)
-        # The fused single-token layers pay only inside CUDA graphs (Triton's eager launch overhead).
-        # The fused single-token layers read bf16/fp16 weights.
+        # The fused single-token layers pay only inside CUDA graphs (Triton's eager launch overhead) and read
+        # bf16/fp16 weights.
         fused = cfg.engine.fused_gemv != "never" and not cfg.engine.deterministic and not model_config.fp8
         if fused and triton_gpu and self.tp_size == 1 and cfg.engine.cuda_graph_max_bs > 0:
             kernels = dataclasses.replace(kernels, fused_gemv=True)
@@ -150,6 +150,9 @@ class Engine:
         self.graph_runner = None
         # The unfused experts size their work on the host (tokens per expert), which a graph cannot capture.
         graphs = cfg.engine.cuda_graph_max_bs > 0 and (self.kernels.fused_moe or not self.model_config.is_moe)
+        if self.stream is not None and cfg.engine.cuda_graph_max_bs > 0 and not graphs:
+            log.warning("%s without Triton: the experts run unfused and without CUDA graphs",
+                        self.model_config.architecture)
         if self.stream is not None and self.attn_backend.supports_graphs and graphs:
             from runtime.engine.graph import GraphRunner
 
