@@ -23,6 +23,19 @@ _ARCH_OF_MODEL_TYPE = {"llama": ["LlamaForCausalLM"], "mistral": ["MistralForCau
 
 
 @dataclass(frozen=True)
+class Fp8Checkpoint:
+    """A pre-quantised FP8 checkpoint (config.json's ``quantization_config``): e4m3 weights, each with a float
+    scale tensor ``<module>.<scale_name>`` per output row ("channel"), per tensor, or per block of ``block``
+    (rows, columns) elements; a weight is its values times their scale. The tensors' dtypes say which weights
+    are FP8; the loader matches each scale's shape to one of ``strategies``."""
+
+    method: str  # "compressed-tensors" or "fp8" (transformers' fine-grained FP8)
+    scale_name: str  # "weight_scale" or "weight_scale_inv"
+    strategies: tuple[str, ...]  # of "channel", "tensor", "block"
+    block: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
     hidden_size: int
@@ -48,19 +61,21 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
     sparse_layers: tuple[int, ...] = ()  # layers whose MLP is the mixture of experts; the others are dense
-    # How the attention and dense MLP projections are stored: "none" (the model dtype) or "fp8" (models/fp8.py).
-    # A run-time choice (model.quantization), not read from config.json.
-    quantization: str = "none"
+    # How the attention and dense MLP projections are stored: "none" (the model dtype), "fp8" (models/fp8.py) or
+    # "auto" (fp8 when the checkpoint is pre-quantised FP8, else none). A run-time choice (model.quantization).
+    quantization: str = "auto"
+    checkpoint_fp8: Fp8Checkpoint | None = None  # how a pre-quantised FP8 checkpoint stores its weights
 
     @property
     def fp8(self) -> bool:
-        return self.quantization == "fp8"
+        return self.quantization == "fp8" or (self.quantization == "auto" and self.checkpoint_fp8 is not None)
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+    def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """``source`` names the file in errors."""
         archs = cfg.get("architectures") or _ARCH_OF_MODEL_TYPE.get(cfg.get("model_type"))
         if not archs:
             raise ValueError(
@@ -70,11 +85,7 @@ class ModelConfig:
         arch = next((a for a in archs if a in FAMILIES), None)
         if arch is None:
             raise ValueError(f"model architecture {archs} is not supported; expected one of {SUPPORTED_ARCHITECTURES}")
-        quant = cfg.get("quantization_config")
-        if quant:
-            method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else quant
-            raise ValueError(f"config.json's quantization_config (quant_method {method!r}) is not supported: load a "
-                             f"bf16, fp16 or fp32 checkpoint, and model.quantization=fp8 quantises it at load")
+        checkpoint_fp8 = fp8_checkpoint(cfg.get("quantization_config"), source)
         window = cfg.get("sliding_window")
         if window not in (None, 0) and cfg.get("use_sliding_window", True) and \
                 window < int(cfg.get("max_position_embeddings", 4096)):
@@ -112,6 +123,7 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
             architecture=arch,
+            checkpoint_fp8=checkpoint_fp8,
             **family,
         )
 
@@ -123,7 +135,7 @@ class ModelConfig:
     def from_dir(cls, path: str | Path) -> ModelConfig:
         file = Path(path) / "config.json"
         try:
-            return cls.from_dict(json.loads(file.read_text()))
+            return cls.from_dict(json.loads(file.read_text()), str(file))
         except (KeyError, json.JSONDecodeError) as exc:
             raise ValueError(f"{file}: cannot read the model config ({exc!r})") from exc
 
@@ -145,3 +157,107 @@ def _moe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         raise ValueError(f"num_experts_per_tok={top_k} must be in [1, {experts}] (the number of experts)")
     return {"num_experts": experts, "experts_per_token": top_k, "moe_intermediate_size": inter,
             "norm_topk_prob": renormalize, "sparse_layers": sparse}
+
+
+_SUPPORTED = ("tpinfer loads FP8 checkpoints (compressed-tensors float8 weights per channel, tensor or block; "
+              "quant_method 'fp8') and bf16, fp16 or fp32 ones, which model.quantization=fp8 quantises at load")
+_CT_FP8_FORMATS = ("float-quantized", "naive-quantized")
+_CT_STRATEGIES = ("channel", "tensor", "block")
+
+
+def _unsupported(source: str, field: str, value: Any, why: str = "") -> ValueError:
+    return ValueError(f"{source}: {field}={value!r} is not supported{why}; {_SUPPORTED}")
+
+
+def fp8_checkpoint(quant: Any, source: str = "config.json") -> Fp8Checkpoint | None:
+    """The FP8 layout that config.json's ``quantization_config`` describes (None without one); any other
+    quantisation is refused naming the field that says so."""
+    if not quant:
+        return None
+    if not isinstance(quant, dict):
+        raise _unsupported(source, "quantization_config", quant)
+    method = quant.get("quant_method")
+    if method == "compressed-tensors":
+        return _compressed_tensors(quant, source)
+    if method == "fp8":
+        return _fine_grained_fp8(quant, source)
+    raise _unsupported(source, "quantization_config.quant_method", method)
+
+
+def _block_size(value: Any, source: str, field: str) -> tuple[int, int]:
+    if isinstance(value, (list, tuple)) and len(value) == 2 and \
+            all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
+        return value[0], value[1]
+    raise _unsupported(source, field, value, " (a block is [rows, columns], two positive integers)")
+
+
+def _fine_grained_fp8(quant: dict[str, Any], source: str) -> Fp8Checkpoint:
+    """transformers' FineGrainedFP8Config (DeepSeek-V3, Qwen3-FP8): ``weight_scale_inv`` per block of
+    ``weight_block_size`` ([128, 128] when absent), or per tensor when it is null."""
+    scheme = quant.get("activation_scheme", "dynamic")
+    # Static activation scales are not needed: activations are quantised per token at run time.
+    if str(scheme).lower() not in ("dynamic", "static"):
+        raise _unsupported(source, "quantization_config.activation_scheme", scheme, " (dynamic or static)")
+    for field, supported in (("scale_fmt", "float"), ("expert_dtype", "fp8"), ("fmt", "e4m3")):
+        if quant.get(field) not in (None, supported):
+            raise _unsupported(source, f"quantization_config.{field}", quant[field], f" (only {supported!r})")
+    block = quant.get("weight_block_size", [128, 128])
+    if block is None:
+        return Fp8Checkpoint("fp8", "weight_scale_inv", ("tensor",))
+    return Fp8Checkpoint("fp8", "weight_scale_inv", ("block",),
+                         _block_size(block, source, "quantization_config.weight_block_size"))
+
+
+def _compressed_tensors(quant: dict[str, Any], source: str) -> Fp8Checkpoint:
+    """llm-compressor's float8 checkpoints (FP8, FP8_DYNAMIC, FP8_BLOCK): ``weight_scale`` per channel,
+    tensor or block. Activation schemes are not needed: activations are quantised per token at run time."""
+    fmt = quant.get("format")
+    if fmt not in _CT_FP8_FORMATS:
+        raise _unsupported(source, "quantization_config.format", fmt, f" (FP8 weights are {list(_CT_FP8_FORMATS)})")
+    for field in ("kv_cache_scheme", "transform_config"):
+        if quant.get(field):
+            raise _unsupported(source, f"quantization_config.{field}", quant[field])
+    sparsity = quant.get("sparsity_config")
+    if sparsity and (not isinstance(sparsity, dict) or sparsity.get("format", "dense") != "dense"):
+        raise _unsupported(source, "quantization_config.sparsity_config", sparsity, " (dense weights only)")
+    groups = quant.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise _unsupported(source, "quantization_config.config_groups", groups, " (no weight scheme)")
+    schemes = [_compressed_tensors_weights(f"quantization_config.config_groups.{name}", group, source)
+               for name, group in groups.items()]
+    blocks = {block for _, block in schemes if block is not None}
+    if len(blocks) > 1:
+        raise _unsupported(source, "quantization_config.config_groups block_structure", sorted(blocks),
+                           " (one block size a checkpoint)")
+    strategies = tuple(dict.fromkeys(strategy for strategy, _ in schemes))
+    return Fp8Checkpoint("compressed-tensors", "weight_scale", strategies, next(iter(blocks), None))
+
+
+def _compressed_tensors_weights(where: str, group: Any, source: str) -> tuple[str, tuple[int, int] | None]:
+    """One config group's weight strategy and block size; anything but symmetric static float8 refused."""
+    if not isinstance(group, dict):
+        raise _unsupported(source, where, group, " (a preset scheme name: spell the scheme out)")
+    if group.get("format") not in (None, *_CT_FP8_FORMATS):
+        raise _unsupported(source, f"{where}.format", group["format"], f" (FP8 weights are {list(_CT_FP8_FORMATS)})")
+    if group.get("output_activations"):
+        raise _unsupported(source, f"{where}.output_activations", group["output_activations"])
+    weights = group.get("weights")
+    if not isinstance(weights, dict):
+        raise _unsupported(source, f"{where}.weights", weights, " (float8 weights expected)")
+    where = f"{where}.weights"
+    # compressed-tensors' defaults for absent fields: int8, symmetric, static.
+    for field, default, supported in (("type", "int", "float"), ("num_bits", 8, 8), ("symmetric", True, True),
+                                      ("dynamic", False, False)):
+        value = weights.get(field, default)
+        if (value.lower() if isinstance(value, str) else value) != supported:
+            raise _unsupported(source, f"{where}.{field}", value, f" (float8 weights are {field}={supported!r})")
+    group_size = weights.get("group_size")
+    strategy = weights.get("strategy") or {None: "tensor", -1: "channel"}.get(group_size, "group")
+    if str(strategy).lower() not in _CT_STRATEGIES:
+        raise _unsupported(source, f"{where}.strategy", strategy, f" (one of {list(_CT_STRATEGIES)})")
+    strategy = str(strategy).lower()
+    if group_size not in (None, -1):
+        raise _unsupported(source, f"{where}.group_size", group_size, f" with strategy {strategy!r}")
+    if strategy != "block":
+        return strategy, None
+    return strategy, _block_size(weights.get("block_structure"), source, f"{where}.block_structure")

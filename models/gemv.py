@@ -18,11 +18,12 @@ if triton is not None:
 
     @triton.jit
     def _row_gemv(
-        x_ptr, w_ptr, bias_ptr, norm_ptr, out_ptr, eps, N: tl.constexpr, K: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        NORM: tl.constexpr, SILU: tl.constexpr, ADD: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+        x_ptr, w_ptr, scale_ptr, bias_ptr, norm_ptr, out_ptr, eps, N: tl.constexpr, K: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr, ADD: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, PDL: tl.constexpr,
     ):
-        """``out[n] (+)= act(sum_k W[n, k] * x'[k] + b[n])``; with SILU the weight is gate rows, then up rows."""
+        """``out[n] (+)= act(sum_k W[n, k] * x'[k] + b[n])``; with SILU the weight is gate rows, then up rows.
+        FP8 weights (HAS_SCALE) are scaled per row after the sum; x stays in the model dtype."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
         kk = tl.arange(0, BLOCK_K)
@@ -61,12 +62,16 @@ if triton is not None:
         if NORM:
             rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
             y = y * rstd
+        if HAS_SCALE:
+            y *= tl.load(scale_ptr + n, mask=n_ok, other=0.0)
         if HAS_BIAS:
             y += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
         if SILU:
             u = tl.sum(acc_up, axis=1)
             if NORM:
                 u = u * rstd
+            if HAS_SCALE:
+                u *= tl.load(scale_ptr + N + n, mask=n_ok, other=0.0)
             if HAS_BIAS:
                 u += tl.load(bias_ptr + N + n, mask=n_ok, other=0.0).to(tl.float32)
             y = y / (1.0 + tl.exp(-y)) * u
@@ -107,8 +112,8 @@ def tile(n: int, k: int, silu: bool) -> tuple[int, int, int, int]:
 
 
 def _launch(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: torch.Tensor | None, eps: float,
-    out: torch.Tensor, n: int, silu: bool, add: bool,
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+    norm: torch.Tensor | None, eps: float, out: torch.Tensor, n: int, silu: bool, add: bool,
 ) -> None:
     rows, k = x.shape
     if rows != 1:
@@ -116,30 +121,32 @@ def _launch(
     block_n, block_k, warps, stages = tile(n, k, silu)
     pdl = use_pdl(x.device.index or 0)
     _row_gemv[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, norm if norm is not None else weight, out, eps,
-        N=n, K=k, BLOCK_N=block_n, BLOCK_K=block_k,
-        NORM=norm is not None, SILU=silu, ADD=add, HAS_BIAS=bias is not None, PDL=pdl,
+        x, weight, scale if scale is not None else weight, bias if bias is not None else weight,
+        norm if norm is not None else weight, out, eps, N=n, K=k, BLOCK_N=block_n, BLOCK_K=block_k,
+        NORM=norm is not None, SILU=silu, ADD=add, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, PDL=pdl,
         launch_pdl=pdl, num_warps=warps, num_stages=stages,
     )
 
 
 def norm_linear(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    """``rmsnorm(h) * norm_weight @ weight.T + bias`` for one row ``h`` ([1, k])."""
+                bias: torch.Tensor | None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``rmsnorm(h) * norm_weight @ (weight * scale).T + bias`` for one row ``h`` ([1, k]); ``scale``: an FP8
+    weight's per-row scale."""
     out = torch.empty(h.shape[0], weight.shape[0], dtype=h.dtype, device=h.device)
-    _launch(h, weight, bias, norm_weight, eps, out, weight.shape[0], silu=False, add=False)
+    _launch(h, weight, scale, bias, norm_weight, eps, out, weight.shape[0], silu=False, add=False)
     return out
 
 
 def norm_linear_silu(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                     bias: torch.Tensor | None) -> torch.Tensor:
+                     bias: torch.Tensor | None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(g) * u`` where ``[g, u] = rmsnorm(h) * norm_weight @ weight.T + bias`` (weight: gate rows, then up)."""
     n = weight.shape[0] // 2
     out = torch.empty(h.shape[0], n, dtype=h.dtype, device=h.device)
-    _launch(h, weight, bias, norm_weight, eps, out, n, silu=True, add=False)
+    _launch(h, weight, scale, bias, norm_weight, eps, out, n, silu=True, add=False)
     return out
 
 
-def linear_add_(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, h: torch.Tensor) -> None:
-    """``h += x @ weight.T + bias``, in place."""
-    _launch(x, weight, bias, None, 0.0, h, weight.shape[0], silu=False, add=True)
+def linear_add_(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, h: torch.Tensor,
+                scale: torch.Tensor | None = None) -> None:
+    """``h += x @ (weight * scale).T + bias``, in place."""
+    _launch(x, weight, scale, bias, None, 0.0, h, weight.shape[0], silu=False, add=True)

@@ -32,6 +32,60 @@ class FullTensor:
         return self.tensor[index]
 
 
+class Fp8Weight:
+    """A checkpoint's e4m3 weight and its scales: per output row ("channel": ``[out]`` or ``[out, 1]``), per
+    tensor (``[]`` or ``[1]``) or per block of ``block`` elements (``[ceil(out / rows), ceil(in / cols)]``); the
+    weight is values x scale. Indexing, by rows then columns as the layers slice, gives the dequantised float32
+    values on ``device`` and reads only the values and scales of the elements asked for."""
+
+    def __init__(self, values: SliceSource, scales: SliceSource, strategy: str, block: tuple[int, int] | None,
+                 device: torch.device) -> None:
+        self.values, self.scales, self.strategy, self.block, self.device = values, scales, strategy, block, device
+
+    @property
+    def per_row(self) -> bool:
+        return self.strategy != "block"
+
+    def get_shape(self) -> list[int]:
+        return self.values.get_shape()
+
+    def stored(self, index: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The e4m3 values at ``index`` as stored and a float32 scale per row (per-row and per-tensor scales)."""
+        rows, cols = self._bounds(index)
+        return self.values[rows, cols], self._row_scales(rows)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        rows, cols = self._bounds(index)
+        values = self.values[rows, cols].to(self.device).float()
+        if self.per_row:
+            return values * self._row_scales(rows).to(self.device)[:, None]
+        assert self.block is not None
+        block_rows, block_cols = self.block
+        first_row, first_col = rows.start // block_rows, cols.start // block_cols
+        scales = self.scales[first_row : -(-rows.stop // block_rows), first_col : -(-cols.stop // block_cols)]
+        scales = scales.to(self.device).float().repeat_interleave(block_rows, 0).repeat_interleave(block_cols, 1)
+        top, left = rows.start - first_row * block_rows, cols.start - first_col * block_cols
+        return values * scales[top : top + values.shape[0], left : left + values.shape[1]]
+
+    def _row_scales(self, rows: slice) -> torch.Tensor:
+        if self.strategy == "tensor":
+            return self.scales[...].float().reshape(1).expand(rows.stop - rows.start)
+        return self.scales[rows].float().reshape(-1)
+
+    def _bounds(self, index: Any) -> tuple[slice, slice]:
+        parts = index if isinstance(index, tuple) else (index,)
+        if len(parts) > 2 or not all(isinstance(part, slice) for part in parts):
+            raise TypeError(f"an FP8 checkpoint weight is read by row and column slices, not {index!r}")
+        parts = (*parts, slice(None))[:2]
+        bounds = []
+        for part, size in zip(parts, self.get_shape()):
+            start, stop, step = part.indices(size)
+            if step != 1:
+                raise TypeError(f"an FP8 checkpoint weight is read by contiguous slices, not {index!r}")
+            bounds.append(slice(start, max(start, stop)))
+        return bounds[0], bounds[1]
+
+
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(
@@ -59,29 +113,41 @@ def new_param(*shape: int, loader: Any, dtype: torch.dtype | None = None) -> nn.
     return param
 
 
+def as_fp8_rows(source: SliceSource, index: tuple[slice, ...],
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``source[index]`` in e4m3 with a float32 scale per row: a checkpoint's per-row or per-tensor FP8 as stored,
+    anything else quantised. A row's scale comes from the whole checkpoint row even where ``index`` takes only
+    some of its columns (row-parallel), so every TP size stores the same weights."""
+    if isinstance(source, Fp8Weight) and source.per_row:
+        return source.stored(index)
+    loaded = source[index].to(device)
+    width = source.get_shape()[-1]
+    partial = len(index) > 1 and index[1].indices(width) != (0, width, 1)
+    amax = source[index[0]].to(device).abs().amax(dim=-1) if partial else None
+    return fp8.quantize_rows(loaded, amax)
+
+
 class _Linear(nn.Module):
     """A TP linear layer's weight, in the model's dtype or in FP8 with a scale per output row (models/fp8.py).
 
-    Subclasses say which rows of the weight a checkpoint tensor fills and with what (``_rows``); an FP8 weight
-    is quantised as it is written, each rank quantising only its slice."""
+    Subclasses say which rows of the weight a checkpoint tensor fills and from where (``_rows``); an FP8 weight
+    is quantised as it is written, each rank quantising only its slice, unless the checkpoint holds it in FP8
+    with a scale per row or per tensor already (``Fp8Weight``)."""
 
     def _init_weight(self, rows: int, cols: int, quantized: bool) -> None:
         self.weight = new_param(rows, cols, loader=self._load, dtype=fp8.FP8 if quantized else None)
         self.weight_scale = new_param(rows, loader=None, dtype=torch.float32) if quantized else None
 
-    def _rows(self, param: torch.Tensor, source: SliceSource, shard_id: Any) -> tuple[slice, torch.Tensor, Any]:
-        """(rows of ``param`` to fill, their values, and what quantising them needs: the per-row amax of the
-        whole checkpoint rows when this rank holds only some of their columns, else None)."""
+    def _rows(self, param: torch.Tensor, source: SliceSource, shard_id: Any) -> tuple[slice, tuple[slice, ...]]:
+        """(rows of ``param`` to fill, the index of their values in the checkpoint tensor)."""
         raise NotImplementedError
 
     def _load(self, param: torch.Tensor, source: SliceSource, shard_id: Any = None) -> None:
-        rows, loaded, full_rows = self._rows(param, source, shard_id)
+        rows, index = self._rows(param, source, shard_id)
         if param is not self.weight or self.weight_scale is None:
-            copy_into(param.data[rows], loaded)
+            copy_into(param.data[rows], source[index])
             return
-        loaded = loaded.to(param.device)
-        amax = None if full_rows is None else full_rows.to(param.device).abs().amax(dim=-1)
-        values, scale = fp8.quantize_rows(loaded, amax)
+        values, scale = as_fp8_rows(source, index, param.device)
         copy_into(param.data[rows], values)
         copy_into(self.weight_scale.data[rows], scale)
 
@@ -138,9 +204,9 @@ class ColumnParallelLinear(_Linear):
         self._init_weight(out_local, in_features, quantized)
         self.bias = new_param(out_local, loader=self._load) if bias else None
 
-    def _rows(self, param: torch.Tensor, source: SliceSource, shard_id: Any) -> tuple[slice, torch.Tensor, Any]:
+    def _rows(self, param: torch.Tensor, source: SliceSource, shard_id: Any) -> tuple[slice, tuple[slice, ...]]:
         start = get_tp().rank * param.shape[0]
-        return slice(None), source[start : start + param.shape[0]], None
+        return slice(None), (slice(start, start + param.shape[0]),)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale is not None:
@@ -157,12 +223,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         tp = get_tp().size
         self.local_sizes = [divide(n, tp, "output features") for n in out_sizes]
 
-    def _rows(self, param: torch.Tensor, source: SliceSource, shard_id: Any) -> tuple[slice, torch.Tensor, Any]:
+    def _rows(self, param: torch.Tensor, source: SliceSource, shard_id: Any) -> tuple[slice, tuple[slice, ...]]:
         index = int(shard_id)
         size = self.local_sizes[index]
         offset = sum(self.local_sizes[:index])
         start = get_tp().rank * size
-        return slice(offset, offset + size), source[start : start + size], None
+        return slice(offset, offset + size), (slice(start, start + size),)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -186,7 +252,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         local_out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         super().__init__(hidden, local_out * tp.size, bias, linear, quantized)
 
-    def _rows(self, param: torch.Tensor, source: SliceSource, shard_id: Any) -> tuple[slice, torch.Tensor, Any]:
+    def _rows(self, param: torch.Tensor, source: SliceSource, shard_id: Any) -> tuple[slice, tuple[slice, ...]]:
         d = self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         if shard_id == "q":
@@ -194,7 +260,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
             size, start = kv_size, self.kv_head_start * d
-        return slice(offset, offset + size), source[start : start + size], None
+        return slice(offset, offset + size), (slice(start, start + size),)
 
 
 class RowParallelLinear(_Linear):
@@ -208,12 +274,10 @@ class RowParallelLinear(_Linear):
         self._init_weight(out_features, in_local, quantized)
         self.bias = new_param(out_features, loader=load_replicated) if bias else None
 
-    def _rows(self, param: torch.Tensor, source: SliceSource, shard_id: Any) -> tuple[slice, torch.Tensor, Any]:
+    def _rows(self, param: torch.Tensor, source: SliceSource, shard_id: Any) -> tuple[slice, tuple[slice, ...]]:
         cols = param.shape[1]
         start = get_tp().rank * cols
-        # An FP8 row's scale comes from the whole checkpoint row, so every TP size stores the same weights.
-        full_rows = source[:] if self.weight_scale is not None and get_tp().size > 1 else None
-        return slice(None), source[:, start : start + cols], full_rows
+        return slice(None), (slice(None), slice(start, start + cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale is not None:

@@ -89,11 +89,11 @@ class LlamaDecoderLayer(nn.Module):
         """The same layer for one token in four fused GEMVs; ``h`` is the residual stream, updated in place."""
         attn, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        qkv = gemv.norm_linear(h, norm1.weight, norm1.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
-        gemv.linear_add_(attn.attend(qkv, cos_sin), attn.o_proj.weight, attn.o_proj.bias, h)
-        up = mlp.gate_up_proj
-        act = gemv.norm_linear_silu(h, norm2.weight, norm2.eps, up.weight, up.bias)
-        gemv.linear_add_(act, mlp.down_proj.weight, mlp.down_proj.bias, h)
+        qkv_proj, o_proj, up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+        qkv = gemv.norm_linear(h, norm1.weight, norm1.eps, qkv_proj.weight, qkv_proj.bias, qkv_proj.weight_scale)
+        gemv.linear_add_(attn.attend(qkv, cos_sin), o_proj.weight, o_proj.bias, h, o_proj.weight_scale)
+        act = gemv.norm_linear_silu(h, norm2.weight, norm2.eps, up.weight, up.bias, up.weight_scale)
+        gemv.linear_add_(act, down.weight, down.bias, h, down.weight_scale)
 
 
 class LlamaModel(nn.Module):

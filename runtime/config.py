@@ -26,8 +26,10 @@ class ModelSection:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on GPU, float32 on CPU)
     max_seq_len: int = 4096  # capped at the model's max_position_embeddings
     random_weights: bool = False  # random weights (benchmarks); path then needs only config.json
-    # fp8: attention and dense MLP weights in FP8 (e4m3, a scale per output row), quantised at load
-    quantization: str = "none"
+    # Attention and dense MLP weights: fp8 (e4m3, a scale per output row; a bf16/fp16/fp32 checkpoint is quantised
+    # at load), none (the model dtype; an FP8 checkpoint is dequantised) or auto (fp8 for a pre-quantised FP8
+    # checkpoint, else none; none under engine.deterministic)
+    quantization: str = "auto"
 
 
 @dataclass
@@ -37,6 +39,8 @@ class CacheSection:
     cpu_memory_bytes: int = 2 << 30  # on CPU this budget stands in for free GPU memory
     num_pages: int = 0  # > 0 fixes the KV page count instead of the formula
     type: str = "radix"  # radix: reuse KV of shared prefixes across requests | naive: no reuse
+    # auto: the model dtype | fp8_e4m3: half the bytes a page (twice the tokens), a K and a V scale per layer
+    dtype: str = "auto"
     debug_checks: bool = False  # verify page ownership (free + cached + held = pool) every step
 
 
@@ -155,9 +159,9 @@ class ConfigError(ValueError):
 
 _CHOICES = {
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
-    "model.quantization": ("none", "fp8"),
     "engine.device": ("auto", "cpu", "cuda"),
     "cache.type": ("radix", "naive"),
+    "cache.dtype": ("auto", "fp8_e4m3"),
     "engine.attention_backend": ("auto", "torch", "flashinfer"),
     "engine.kernels": ("auto", "torch", "flashinfer"),
     "engine.fused_gemv": ("auto", "always", "never"),
@@ -199,7 +203,10 @@ def _validate(cfg: RuntimeConfig) -> None:
         if value not in allowed:
             hint = " (YAML reads on/off/yes/no as booleans)" if str(value) in ("True", "False") else ""
             raise ConfigError(f"config key '{key}'={value!r} must be one of {list(allowed)}{hint}")
-    if cfg.engine.deterministic and cfg.model.quantization != "none":
+    if cfg.model.quantization not in ("auto", "none", "fp8"):
+        raise ConfigError(f"config key 'model.quantization'={cfg.model.quantization!r} must be one of ['none', 'fp8'] "
+                          "or 'auto' (fp8 for a pre-quantised FP8 checkpoint, else none)")
+    if cfg.engine.deterministic and cfg.model.quantization == "fp8":
         raise ConfigError("engine.deterministic=true cannot be combined with model.quantization="
                           f"{cfg.model.quantization} (its GEMMs are not batch-invariant)")
     for key in _POSITIVE:
@@ -259,6 +266,8 @@ def load_config(paths: list[str | Path] | None = None, overrides: list[str] | No
     except OmegaConfBaseException as exc:
         raise _explain(exc, schema, "config") from None
     _validate(cfg)
+    if cfg.engine.deterministic and cfg.model.quantization == "auto":
+        cfg.model.quantization = "none"  # batch-invariant GEMMs run in the model dtype: FP8 checkpoints dequantise
     return cfg
 
 

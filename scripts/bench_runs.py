@@ -59,7 +59,7 @@ def workload(cfg: BenchConfig, fixed: bool | str, n: int | None = None) -> tuple
 
 
 def measure_limits(device: torch.device) -> dict[str, float]:
-    """HBM bandwidth (GB/s) from a large copy and bf16 matmul peak (TFLOP/s)."""
+    """HBM bandwidth (GB/s) from a large copy; bf16 and, where the GPU has it, FP8 matmul peaks (TFLOP/s)."""
     src = torch.empty(1 << 31, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
     for _ in range(3):
@@ -73,15 +73,25 @@ def measure_limits(device: torch.device) -> dict[str, float]:
     del src, dst
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     bm = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    limits = {"hbm_gbps": bandwidth / 1e9, "bf16_tflops": _matmul_tflops(lambda: a @ bm)}
+    if torch.cuda.get_device_capability(device) >= (8, 9):
+        from models import fp8
+
+        (qa, sa), (qb, sb) = fp8.quantize_rows(a), fp8.quantize_rows(bm)
+        limits["fp8_tflops"] = _matmul_tflops(lambda: torch._scaled_mm(
+            qa, qb.t(), scale_a=sa[:, None], scale_b=sb[None, :], out_dtype=torch.bfloat16))
+    return limits
+
+
+def _matmul_tflops(matmul, n: int = 8192, reps: int = 50) -> float:  # noqa: ANN001 - an n x n x n product
     for _ in range(3):
-        a @ bm
+        matmul()
     torch.cuda.synchronize()
-    start, reps = time.perf_counter(), 50
+    start = time.perf_counter()
     for _ in range(reps):
-        a @ bm
+        matmul()
     torch.cuda.synchronize()
-    peak = 2 * 8192**3 * reps / (time.perf_counter() - start)
-    return {"hbm_gbps": bandwidth / 1e9, "bf16_tflops": peak / 1e12}
+    return 2 * n**3 * reps / (time.perf_counter() - start) / 1e12
 
 
 class TouchedExperts:
@@ -109,32 +119,43 @@ class TouchedExperts:
         return [b - a for a, b in zip(totals, totals[1:])]
 
 
-def expert_params(model) -> tuple[int, int]:  # noqa: ANN001
-    """(parameters of every expert of every layer, parameters of one expert summed over the sparse layers)."""
+def expert_params(model) -> tuple[int, int, int]:  # noqa: ANN001
+    """(parameters of every expert of every layer, parameters of one expert summed over the sparse layers,
+    bytes of one expert summed over the sparse layers)."""
     stacks = [p for n, p in model.named_parameters() if ".experts." in n]
-    return sum(p.numel() for p in stacks), sum(p[0].numel() for p in stacks)
+    return (sum(p.numel() for p in stacks), sum(p[0].numel() for p in stacks),
+            sum(p[0].numel() * p.element_size() for p in stacks))
 
 
 def roofline_seconds(llm, log: StepLog, limits: dict[str, float], touched: list[int] | None = None) -> float:  # noqa: ANN001
-    """With ``touched`` (distinct experts per step, summed over layers), a step reads only those experts' weights."""
+    """With ``touched`` (distinct experts per step, summed over layers), a step reads only those experts' weights.
+    Bytes come from the tensors as stored (FP8 weights: one byte, and their scales); FP8 weights' matmuls run
+    at the FP8 peak."""
     mc = llm.model_config
     model = llm.engine.model
-    itemsize = llm.engine.dtype.itemsize
-    all_experts, one_expert = expert_params(model)
-    dense_bytes = llm.engine.weight_bytes - all_experts * itemsize
-    expert_bytes = one_expert * itemsize // max(len(mc.sparse_layers), 1)
-    matmul_params = sum(p.numel() for n, p in model.named_parameters() if "norm" not in n and "embed" not in n)
-    matmul_params += mc.experts_per_token * one_expert - all_experts  # a token runs its top-k experts only
+    all_experts, one_expert, one_expert_bytes = expert_params(model)
+    dense_bytes = llm.engine.weight_bytes - one_expert_bytes // max(one_expert, 1) * all_experts
+    expert_bytes = one_expert_bytes // max(len(mc.sparse_layers), 1)
+    bf16_peak = limits["bf16_tflops"] * 1e12
+
+    def flop_seconds(p: torch.Tensor, params: int) -> float:  # a matmul reading p's weights: at p's dtype's peak
+        return 2 * params / (limits["fp8_tflops"] * 1e12 if p.element_size() == 1 else bf16_peak)
+
+    matmul_s_per_token = 0.0
+    for n, p in model.named_parameters():
+        if not any(skip in n for skip in ("norm", "embed", "scale")):
+            # A token runs its top-k experts only.
+            matmul_s_per_token += flop_seconds(p, mc.experts_per_token * p[0].numel() if ".experts." in n else p.numel())
     if mc.tie_word_embeddings:
-        matmul_params += model.lm_head.weight.numel()
-    kv_token_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize
-    bw, peak = limits["hbm_gbps"] * 1e9, limits["bf16_tflops"] * 1e12
+        matmul_s_per_token += flop_seconds(model.lm_head.weight, model.lm_head.weight.numel())
+    kv_token_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * llm.engine.kv_cache.buffer.element_size()
+    bw = limits["hbm_gbps"] * 1e9
     touched = touched or [mc.num_experts * len(mc.sparse_layers)] * len(log.tokens)
     total = 0.0
     for tokens, kv_read, pairs, experts in zip(log.tokens, log.kv_read, log.attn_pairs, touched):
         bytes_moved = dense_bytes + experts * expert_bytes + kv_read * kv_token_bytes + tokens * kv_token_bytes
-        flops = 2 * matmul_params * tokens + 4 * mc.num_layers * mc.num_heads * mc.head_dim * pairs
-        total += max(bytes_moved / bw, flops / peak)
+        compute_s = matmul_s_per_token * tokens + 4 * mc.num_layers * mc.num_heads * mc.head_dim * pairs / bf16_peak
+        total += max(bytes_moved / bw, compute_s)
     return total
 
 

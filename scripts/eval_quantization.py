@@ -1,6 +1,9 @@
 """How far a quantised model is from the same weights unquantised: teacher-forced on the same text, and greedy.
 
-    python scripts/eval_quantization.py [--model default] [--prompts 200] [--out benchmarks/fp8-quality.json]
+    python scripts/eval_quantization.py [--model default] [--prompts 200] [--variants weights,kv,both]
+        [--out benchmarks/fp8-quality.json] [key=value ...]
+
+Variants: FP8 weights (model.quantization=fp8), an FP8 KV cache (cache.dtype=fp8_e4m3), and both.
 
 The text is the unquantised model's own greedy replies to 200 chat prompts (no dataset is downloaded). Both
 models read prompt + reply (prompt logprobs, fresh models so no prefix is cached); per reply token we compare
@@ -41,46 +44,67 @@ def teacher_forced(model: str, overrides: list[str], seqs: list[list[int]]) -> l
     return [o.prompt_logprobs for o in outs]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--quantization", default="fp8")
-    parser.add_argument("--prompts", type=int, default=200)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("overrides", nargs="*", help="config overrides for both models, e.g. engine.device=cpu")
-    args = parser.parse_args()
-    greedy = SamplingParams(temperature=0, max_new_tokens=args.new_tokens)
-    conversations = chat_prompts(args.prompts)
-    quantized = [*args.overrides, f"model.quantization={args.quantization}"]
-    base = LLM(args.model, overrides=args.overrides)
-    replies = base.chat(conversations, greedy)
-    prompt_ids = [base.encode(c) for c in conversations]
-    base.shutdown()
+VARIANTS = {
+    "weights": ["model.quantization=fp8"],
+    "kv": ["cache.dtype=fp8_e4m3"],
+    "both": ["model.quantization=fp8", "cache.dtype=fp8_e4m3"],
+}
+
+
+def compare(model: str, overrides: list[str], conversations: list, prompt_ids: list[list[int]], replies: list,
+            ref: list[list[dict]], greedy: SamplingParams) -> dict:
+    """Teacher-forced agreement on the reference replies, then where the variant's own greedy replies differ."""
     seqs = [p + r.token_ids for p, r in zip(prompt_ids, replies)]
-    ref = teacher_forced(args.model, args.overrides, seqs)
-    ours = teacher_forced(args.model, quantized, seqs)
+    ours = teacher_forced(model, overrides, seqs)
     agree, nll_change = [], []
     for a, b, prompt in zip(ref, ours, prompt_ids):
         for x, y in zip(a[len(prompt):], b[len(prompt):]):  # the reply's tokens
             agree.append(x["top"][0][0] == y["top"][0][0])
             nll_change.append(x["logprob"] - y["logprob"])
-    quant = LLM(args.model, overrides=quantized)
+    quant = LLM(model, overrides=overrides)
     generated = quant.chat(conversations, greedy)
     quant.shutdown()
     first_diff = []
     for r, g in zip(replies, generated):
         pairs = list(zip(r.token_ids, g.token_ids))
         first_diff.append(next((i for i, (x, y) in enumerate(pairs) if x != y), len(pairs)))
-    result = {
-        "model": args.model, "quantization": args.quantization, "prompts": len(conversations),
-        "reply_tokens": sum(len(r.token_ids) for r in replies),
+    return {
+        "overrides": overrides,
         "top1_agreement": sum(agree) / len(agree),
         "mean_nll_change_per_token": statistics.fmean(nll_change),
         "mean_abs_logprob_change_per_token": statistics.fmean(map(abs, nll_change)),
         "greedy_identical_replies": sum(d == len(r.token_ids) for d, r in zip(first_diff, replies)),
         "greedy_first_difference_median": statistics.median(first_diff),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--variants", default="weights,kv,both", help=f"comma-separated, of {list(VARIANTS)}")
+    parser.add_argument("--prompts", type=int, default=200)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("overrides", nargs="*", help="config overrides for both models, e.g. engine.device=cpu")
+    args = parser.parse_args()
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    greedy = SamplingParams(temperature=0, max_new_tokens=args.new_tokens)
+    conversations = chat_prompts(args.prompts)
+    base_overrides = ["model.quantization=none", *args.overrides]
+    base = LLM(args.model, overrides=base_overrides)
+    replies = base.chat(conversations, greedy)
+    prompt_ids = [base.encode(c) for c in conversations]
+    base.shutdown()
+    seqs = [p + r.token_ids for p, r in zip(prompt_ids, replies)]
+    ref = teacher_forced(args.model, base_overrides, seqs)
+    result = {
+        "model": args.model, "prompts": len(conversations), "reply_tokens": sum(len(r.token_ids) for r in replies),
         "command": " ".join(sys.argv),
+        "variants": {v: compare(args.model, [*base_overrides, *VARIANTS[v]], conversations, prompt_ids, replies,
+                                ref, greedy) for v in variants},
     }
     print(json.dumps(result, indent=2))
     if args.out:

@@ -48,6 +48,31 @@ def test_kernels_match_float64(n, k):
     assert _rel(resid, ref) < 1e-6
 
 
+@pytest.mark.parametrize("n,k", [(40, 200), (40, 2500)])
+def test_fp8_weights_match_float64_of_the_dequantised_weights(n, k):
+    """FP8 weights with a scale per row (models/fp8.py), x in the model dtype: every kernel against float64 of
+    the dequantised weights, so only the float32 accumulation differs."""
+    from models import fp8
+
+    gen = torch.Generator().manual_seed(n * k)
+    h, x = torch.randn(1, k, generator=gen), torch.randn(1, k, generator=gen)
+    norm_w = torch.rand(k, generator=gen) + 0.5
+    values, scale = fp8.quantize_rows(torch.randn(2 * n, k, generator=gen) * 0.1)
+    w = fp8.dequantize_rows(values, scale).double()
+    bias = torch.randn(2 * n, generator=gen)
+    normed = _rms(h, norm_w, 1e-5)
+
+    ref = normed @ w[:n].T + bias[:n].double()
+    assert _rel(gemv.norm_linear(h, norm_w, 1e-5, values[:n], bias[:n], scale[:n]), ref) < 1e-6
+    gate_up = normed @ w.T
+    ref = torch.nn.functional.silu(gate_up[:, :n]) * gate_up[:, n:]
+    assert _rel(gemv.norm_linear_silu(h, norm_w, 1e-5, values, None, scale), ref) < 1e-6
+    resid = torch.randn(1, n, generator=gen)
+    ref = resid.double() + x.double() @ w[:n].T
+    gemv.linear_add_(x, values[:n], None, resid, scale[:n])
+    assert _rel(resid, ref) < 1e-6
+
+
 def test_more_than_one_row_is_refused():
     with pytest.raises(ValueError, match="one row, got 2"):
         gemv.norm_linear(torch.randn(2, 64), torch.ones(64), 1e-5, torch.randn(32, 64), None)

@@ -1,7 +1,11 @@
-"""FP8 weights on the GPU (`pytest -m gpu`): the scaled GEMM against float64 on the dequantised operands at
-the 8B shape's widths, and a random Llama-3.2-1B-shaped model in FP8 decoding alike eagerly and in CUDA graphs."""
+"""FP8 on the GPU (`pytest -m gpu`): the activation quantiser against torch's, the scaled GEMM and the FP8
+GEMV against float64 on the dequantised operands at the 8B shape's widths, the FP8 KV cache's write and
+decode kernels against float64, and a random Llama-3.2-1B-shaped model with FP8 weights and/or an FP8 KV
+cache: CUDA-graph decode against eager decode, and prefill, chunked prefill and decode reading one cache."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -11,6 +15,20 @@ from runtime import LLM, SamplingParams
 from tests.helpers import prefill_logits, relative_error
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("width", [100, 4096, 14336, 28672 + 3])
+def test_quantize_rows_kernel_equals_the_torch_path(width):
+    """The Triton quantiser and the torch one (CPU) store the same bits, with a per-row amax given or not."""
+    gen = torch.Generator(device="cuda").manual_seed(width)
+    x = (torch.randn(37, width, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+    x[3] = 0  # an all-zero row keeps a finite scale
+    amax = x.abs().amax(dim=-1).float() * 1.5  # a rank's slice of longer rows
+    for given in (None, amax):
+        values, scale = fp8.quantize_rows(x, given)
+        ref_values, ref_scale = fp8.quantize_rows(x.cpu(), None if given is None else given.cpu())
+        assert torch.equal(scale.cpu(), ref_scale)
+        assert torch.equal(values.cpu().view(torch.uint8), ref_values.view(torch.uint8))
 
 
 @pytest.mark.parametrize("rows", [1, 7, 256, 2048])
@@ -27,32 +45,128 @@ def test_fp8_gemm_against_float64(rows, out_features, in_features):
     assert relative_error(out, ref) <= 1e-2  # bf16 output rounding; the operands are exact in float64
 
 
-def _decode_logits(quantization: str, use_graph: bool) -> list[torch.Tensor]:
-    overrides = ["engine.device=cuda", "model.path=configs/models/llama-3.2-1b", "model.random_weights=true",
-                 f"model.quantization={quantization}", "model.max_seq_len=512", "scheduler.max_running_requests=8"]
-    llm = LLM(overrides=overrides)
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (14336, 4096), (4096, 14336), (3072, 2048)])
+def test_fp8_gemv_against_float64(n, k):
+    """The fused single-token layers with FP8 weights (x stays bf16): float64 on the dequantised weights."""
+    from models import gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    h = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
+    norm_w = (torch.rand(k, device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
+    values, scale = fp8.quantize_rows(torch.randn(2 * n, k, device="cuda", generator=gen) / k**0.5)
+    w = fp8.dequantize_rows(values, scale).double()
+    hd = h.double()
+    normed = hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.double()
+
+    def rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
+        return float((ours.double() - ref).norm() / ref.norm())
+
+    assert rel(gemv.norm_linear(h, norm_w, 1e-5, values[:n], None, scale[:n]), normed @ w[:n].T) < 5e-3
+    gate_up = normed @ w.T
+    ref = torch.nn.functional.silu(gate_up[:, :n]) * gate_up[:, n:]
+    assert rel(gemv.norm_linear_silu(h, norm_w, 1e-5, values, None, scale), ref) < 5e-3
+    resid = torch.randn(1, n, device="cuda", generator=gen).to(torch.bfloat16)
+    ref = resid.double() + hd @ w[:n].T
+    gemv.linear_add_(h, values[:n], None, resid, scale[:n])
+    assert rel(resid, ref) < 5e-3
+
+
+def test_rope_and_store_writes_the_fp8_encoding():
+    """The prefill write into an e4m3 cache: V bit for bit as kv_cache.quantize_kv encodes it, K as the
+    float32 rotation encoded (up to one e4m3 step where FMA contraction moves a value across a boundary)."""
+    from models.ops import rope_cos_sin_cache, rope_inv_freq, rope_torch
+    from runtime.engine.attention.rope_store import rope_and_store
+    from runtime.engine.kv_cache import KVCache, quantize_kv
+
+    torch.manual_seed(0)
+    dev, tokens, heads, kv_heads, dim = torch.device("cuda"), 37, 32, 8, 128
+    cos_sin = rope_cos_sin_cache(4096, rope_inv_freq(dim, 500000.0, None)).to(dev)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, dtype=torch.bfloat16, device=dev) * 4
+    q, kv = qkv[:, : heads * dim].view(tokens, heads, dim), qkv[:, heads * dim :].view(tokens, 2, kv_heads, dim)
+    positions = torch.randint(0, 4096, (tokens,), device=dev)
+    slots = torch.randperm(20 * 16, device=dev)[:tokens]
+    q_ref, k_ref = q.float().clone(), kv[:, 0].float().clone()
+    rope_torch(positions, q_ref, k_ref, cos_sin)
+    v = kv[:, 1].clone()
+    cache = KVCache(2, 20, 16, kv_heads, dim, fp8.FP8, dev)
+    cache.scales[1] = torch.tensor([0.03, 0.02])
+    rope_and_store(positions, q, kv, cos_sin, cache, 1, slots)
+    stored_v = cache.v(1).reshape(-1, kv_heads, dim)[slots]
+    assert torch.equal(stored_v.view(torch.uint8), quantize_kv(v, torch.tensor(0.02)).view(torch.uint8))
+    stored_k = cache.k(1).reshape(-1, kv_heads, dim)[slots].float()
+    torch.testing.assert_close(stored_k, quantize_kv(k_ref, torch.tensor(0.03)).float(), rtol=0.07, atol=2**-9)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "positions"),
+                         [(32, 8, 128, [0, 15, 16, 700, 1999]), (9, 3, 64, [257, 40]), (28, 4, 128, [1500])])
+def test_fp8_kv_decode_kernels_against_float64(heads, kv_heads, dim, positions):
+    """split_decode (one request) and paged_decode (several) compiled, bf16 queries over an e4m3 cache with a
+    K and a V scale, against float64 over the dequantised cache; the new V written bit for bit."""
+    from runtime.engine.attention import paged_decode as pd
+    from runtime.engine.attention import split_decode as sd
+    from tests.test_paged_decode import run as run_paged
+    from tests.test_split_decode import make_case, reference
+    from tests.test_split_decode import run as run_split
+
+    for name, runner in (("split", lambda c: run_split(c, sd.num_splits(len(positions), kv_heads, heads // kv_heads,
+                                                                          dim, 2048))),
+                         ("paged", lambda c: run_paged(c, pd.chunk_tokens(len(positions), kv_heads, 2048)))):
+        case = make_case(heads, kv_heads, dim, positions, 16, torch.bfloat16, device="cuda", seed=7, kv_fp8=True)
+        ref, _, v_ref = reference(case)
+        out = runner(case)
+        rel = float((out.double().cpu() - ref).norm() / ref.norm())
+        assert rel < 5e-3, (name, rel)  # bf16 rounding of q, P and the output; e4m3 is in the reference
+        flat = case["cache"].buffer[0].reshape(2, -1, kv_heads, dim)
+        assert torch.equal(flat[1, case["out_loc"]].cpu().view(torch.uint8), v_ref.view(torch.uint8)), name
+
+
+@functools.cache  # the bf16 reference serves several tests
+def _engine_logits(overrides: tuple[str, ...], use_graph: bool, chunk: int | None = None,
+                   decode_tail: int = 0) -> list[torch.Tensor]:
+    cfg = ["engine.device=cuda", "model.path=configs/models/llama-3.2-1b", "model.random_weights=true",
+           "model.max_seq_len=512", "scheduler.max_running_requests=8", *overrides]
+    llm = LLM(overrides=cfg)
     engine = llm.engine
     assert engine.graph_runner is not None
-    assert (engine.model.model.layers[0].mlp.down_proj.weight.dtype == fp8.FP8) == (quantization == "fp8")
+    quantized = "model.quantization=fp8" in overrides
+    assert (engine.model.model.layers[0].mlp.down_proj.weight.dtype == fp8.FP8) == quantized
+    assert (engine.kv_cache.buffer.dtype == fp8.FP8) == ("cache.dtype=fp8_e4m3" in overrides)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 10000, (n,), generator=gen).tolist() for n in (5, 60, 130)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True))
     assert all(len(o.token_ids) == 16 for o in outs)
     seqs = [p + [(t * 7 + 3) % 10000 for t in range(16)] for p in prompts]  # the same tokens for every model
-    logits = [x[-8:] for x in prefill_logits(engine, seqs, decode_tail=8, use_graph=use_graph)]
+    logits = [x[-8:] for x in prefill_logits(engine, seqs, chunk, decode_tail, use_graph)]
     llm.shutdown()
     del llm, engine
     torch.cuda.empty_cache()
     return logits
 
 
-def test_fp8_model_graph_decode_equals_eager():
-    """CUDA-graph decode against eager decode (different attention kernels: FP8 rounding of the activations
-    turns their last-bit differences into visible ones), within FP8's own distance from the bf16 model."""
-    bf16 = _decode_logits("none", False)
-    eager = _decode_logits("fp8", False)
-    graph = _decode_logits("fp8", True)
+@pytest.mark.parametrize("fp8_overrides", [("model.quantization=fp8",), ("cache.dtype=fp8_e4m3",),
+                                           ("model.quantization=fp8", "cache.dtype=fp8_e4m3")],
+                         ids=["weights", "kv", "both"])
+def test_fp8_model_graph_decode_equals_eager(fp8_overrides):
+    """CUDA-graph decode against eager decode (different kernels: FP8 rounding of the activations turns their
+    last-bit differences into visible ones), within FP8's own distance from the bf16 model."""
+    bf16 = _engine_logits(("model.quantization=none",), False, decode_tail=8)
+    eager = _engine_logits(fp8_overrides, False, decode_tail=8)
+    graph = _engine_logits(fp8_overrides, True, decode_tail=8)
     for g, e, b in zip(graph, eager, bf16):
         graph_err, fp8_err = relative_error(g, e), relative_error(e, b)
         print(f"graph vs eager {graph_err:.3e}; FP8 vs bf16 {fp8_err:.3e}")
         assert graph_err <= fp8_err and fp8_err > 1e-3
+
+
+def test_fp8_kv_prefill_chunked_prefill_and_decode_read_one_cache():
+    """Prefill (flashinfer over the widened pages), 16-token chunks and graph decode (the Triton kernels over
+    e4m3) attend over the same cached values: they agree to bf16 noise, far inside FP8's distance from bf16."""
+    kv = ("model.quantization=none", "cache.dtype=fp8_e4m3")
+    whole = _engine_logits(kv, False)
+    chunked = _engine_logits(kv, False, chunk=16)
+    decoded = _engine_logits(kv, True, decode_tail=8)
+    bf16 = _engine_logits(("model.quantization=none",), False)
+    for w, c, d, b in zip(whole, chunked, decoded, bf16):
+        errors = relative_error(c, w), relative_error(d, w), relative_error(w, b)
+        print("chunked, decoded vs prefill; FP8 KV vs bf16:", [f"{e:.3e}" for e in errors])
+        assert max(errors[:2]) < 0.5 * errors[2] and errors[2] > 1e-3

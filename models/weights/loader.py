@@ -3,21 +3,46 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from models import moe
-from models.config import ModelConfig
-from models.layers import FullTensor, load_replicated
+from models.config import Fp8Checkpoint, ModelConfig
+from models.layers import Fp8Weight, FullTensor, SliceSource, load_replicated
 from models.llama import LlamaForCausalLM
 from models.ops import TORCH_KERNELS, Kernels
+from parallel import get_tp
+
+log = logging.getLogger(__name__)
+
+FP8_DTYPE = "F8_E4M3"  # safetensors' name of torch.float8_e4m3fn
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+# Static activation scales beside FP8 weights: not used, activations are quantised per token at run time.
+ACTIVATION_SCALES = ("input_scale", "activation_scale")
+
+
+class TensorInfo(NamedTuple):
+    file: str
+    shape: tuple[int, ...]
+    dtype: str  # safetensors' dtype name: "BF16", "F8_E4M3", ...
+
+
+@dataclass(frozen=True)
+class Fp8Layout:
+    """A checkpoint's FP8 weights, each with its scale tensor and strategy, and its unused activation scales."""
+
+    scales: dict[str, tuple[str, str]]  # FP8 weight -> (its scale tensor, "channel" | "tensor" | "block")
+    activation_scales: frozenset[str]
+    skipped: frozenset[str]  # no parameter of ours: the weight scales (read with their weights), activation scales
 
 
 def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
@@ -68,24 +93,32 @@ def load_model(
     if random_seed is None:
         files = checkpoint_files(path)
         # Checked from the headers, so a mismatched checkpoint fails before any allocation, in one message.
-        check_checkpoint(path, checkpoint_index(files), model)
+        index = checkpoint_index(files)
+        layout = fp8_layout(path, index, cfg.checkpoint_fp8)
+        check_checkpoint(path, {n: t for n, t in index.items() if n not in layout.skipped}, model)
     materialize(model, device, dtype)
     if random_seed is not None:
         randomize(model, random_seed)
         model.init_rope(max_positions, device)
         return model
+    _log_fp8_loading(path, cfg, layout, dtype)
     params = dict(model.named_parameters())
     filled: set[str] = set()
-    with torch.no_grad():
-        for file in files:
-            with open_checkpoint(file) as f:
-                for ckpt_name in f.keys():
-                    target = _target_param(ckpt_name, model)
-                    if target is None:
-                        continue
-                    param_name, shard_id = target
-                    params[param_name].weight_loader(params[param_name], f.get_slice(ckpt_name), shard_id)
-                    filled.add(param_name)
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        handles = {file.name: stack.enter_context(open_checkpoint(file)) for file in files}
+        for ckpt_name, info in index.items():
+            target = None if ckpt_name in layout.skipped else _target_param(ckpt_name, model)
+            if target is None:
+                continue
+            param_name, shard_id = target
+            source: SliceSource = handles[info.file].get_slice(ckpt_name)
+            if ckpt_name in layout.scales:
+                scale, strategy = layout.scales[ckpt_name]
+                assert cfg.checkpoint_fp8 is not None  # fp8_layout found no FP8 tensor without it
+                source = Fp8Weight(source, handles[index[scale].file].get_slice(scale), strategy,
+                                   cfg.checkpoint_fp8.block, device)
+            params[param_name].weight_loader(params[param_name], source, shard_id)
+            filled.add(param_name)
     # Guards checkpoint_shapes itself: an unfilled parameter would keep uninitialised memory.
     # An FP8 weight's scale is written with the weight.
     filled |= {n[: -len("weight")] + "weight_scale" for n in filled if n.endswith(".weight")}
@@ -96,37 +129,111 @@ def load_model(
     return model
 
 
-def checkpoint_index(files: list[Path]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Every tensor in the checkpoint files: name -> (file name, shape), read from the headers only."""
-    index: dict[str, tuple[str, tuple[int, ...]]] = {}
+def checkpoint_index(files: list[Path]) -> dict[str, TensorInfo]:
+    """Every tensor in the checkpoint files, in file order, read from the headers only."""
+    index: dict[str, TensorInfo] = {}
     for file in files:
         with open_checkpoint(file) as f:
             for name in f.keys():
-                index[name] = (file.name, tuple(f.get_slice(name).get_shape()))
+                tensor = f.get_slice(name)
+                index[name] = TensorInfo(file.name, tuple(tensor.get_shape()), tensor.get_dtype())
     return index
+
+
+def fp8_layout(path: Path, index: dict[str, TensorInfo], quant: Fp8Checkpoint | None) -> Fp8Layout:
+    """Pair every e4m3 tensor with its scale, checking the scale's shape against ``quant``; the first tensor
+    that does not fit fails with a ValueError naming it."""
+    scales: dict[str, tuple[str, str]] = {}
+    for name, info in index.items():
+        if info.dtype == FP8_DTYPE:
+            scales[name] = _fp8_scale(path, index, name, quant)
+    used = frozenset(scale for scale, _ in scales.values())
+    if quant is None:
+        return Fp8Layout(scales, frozenset(), used)
+    for name, info in index.items():
+        if name.endswith(f".{quant.scale_name}") and name not in used:
+            weight = name[: -len(quant.scale_name)] + "weight"
+            what = f"stored in {index[weight].dtype}" if weight in index else "not in the checkpoint"
+            raise ValueError(f"checkpoint tensor {name} in {path / info.file} scales {weight}, which is {what}; "
+                             f"only {FP8_DTYPE} weights have scales")
+    activation_scales = frozenset(n for n in index if n.rsplit(".", 1)[-1] in ACTIVATION_SCALES)
+    return Fp8Layout(scales, activation_scales, used | activation_scales)
+
+
+def _fp8_scale(path: Path, index: dict[str, TensorInfo], name: str,
+               quant: Fp8Checkpoint | None) -> tuple[str, str]:
+    """(the scale tensor of the e4m3 weight ``name``, its strategy)."""
+    info = index[name]
+    where = f"checkpoint tensor {name} {info.shape} in {path / info.file} is {FP8_DTYPE}"
+    if quant is None:
+        raise ValueError(f"{where}, but {path / 'config.json'} has no quantization_config saying how it is scaled")
+    if not name.endswith(".weight") or len(info.shape) != 2:
+        raise ValueError(f"{where}: only 2-D weights can be FP8")
+    scale = name[: -len("weight")] + quant.scale_name
+    if scale not in index:
+        raise ValueError(f"{where}, but its scale {scale} is missing from the checkpoint")
+    scale_info = index[scale]
+    if scale_info.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"checkpoint tensor {scale} in {path / scale_info.file} is {scale_info.dtype}; "
+                         f"scales are one of {list(FLOAT_DTYPES)}")
+    shapes = _scale_shapes(quant, info.shape)
+    strategy = next((s for s, allowed in shapes.items() if scale_info.shape in allowed), None)
+    if strategy is None:
+        expected = " or ".join(f"{shape} ({s})" for s, allowed in shapes.items() for shape in allowed)
+        raise ValueError(f"checkpoint tensor {scale} in {path / scale_info.file} has shape {scale_info.shape}; "
+                         f"{path / 'config.json'} ({quant.method}) makes the scale of {name} {info.shape} {expected}")
+    return scale, strategy
+
+
+def _scale_shapes(quant: Fp8Checkpoint, weight: tuple[int, ...]) -> dict[str, list[tuple[int, ...]]]:
+    """The shapes a scale of ``weight`` may have, for each strategy the checkpoint uses."""
+    rows, cols = weight
+    shapes = {"channel": [(rows, 1), (rows,)], "tensor": [(), (1,)]}
+    if quant.block is not None:
+        shapes["block"] = [(-(-rows // quant.block[0]), -(-cols // quant.block[1]))]
+    return {strategy: shapes[strategy] for strategy in quant.strategies}
+
+
+def _log_fp8_loading(path: Path, cfg: ModelConfig, layout: Fp8Layout, dtype: torch.dtype) -> None:
+    if get_tp().rank != 0 or not layout.scales:
+        return
+    if not cfg.fp8:
+        log.info("%s: FP8 weights dequantised to %s (model.quantization=%s)", path, dtype, cfg.quantization)
+    elif any(strategy == "block" for _, strategy in layout.scales.values()):
+        log.info("%s: FP8 weights scaled per block re-quantised with a scale per row", path)
+    if layout.activation_scales:
+        kinds = sorted({name.rsplit(".", 1)[-1] for name in layout.activation_scales})
+        log.info("%s: %d static activation scales (%s) not used: activations are quantised per token at run time, "
+                 "which is at least as accurate", path, len(layout.activation_scales), ", ".join(kinds))
 
 
 def _natural(name: str) -> list[str | int]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def check_checkpoint(path: Path, index: dict[str, tuple[str, tuple[int, ...]]], model: LlamaForCausalLM) -> None:
-    """Raise one ValueError naming every missing, unexpected and wrongly shaped tensor, one per line."""
+def check_checkpoint(path: Path, index: dict[str, TensorInfo], model: LlamaForCausalLM) -> None:
+    """Raise one ValueError naming every missing, unexpected, wrongly shaped and wrongly typed tensor, one per
+    line."""
     cfg = model.config
     expected = checkpoint_shapes(cfg)
     missing = sorted(expected.keys() - index.keys(), key=_natural)
     unexpected = sorted((n for n in index if n not in expected and _target_param(n, model) is not None), key=_natural)
-    wrong = sorted((n for n in expected.keys() & index.keys() if index[n][1] != expected[n]), key=_natural)
-    if not (missing or unexpected or wrong):
+    wrong = sorted((n for n in expected.keys() & index.keys() if index[n].shape != expected[n]), key=_natural)
+    loadable = (*FLOAT_DTYPES, FP8_DTYPE)
+    wrong_dtype = sorted((n for n in expected.keys() & index.keys() if index[n].dtype not in loadable), key=_natural)
+    if not (missing or unexpected or wrong or wrong_dtype):
         return
     counts = [f"{len(names)} {what}" for names, what in
-              ((missing, "missing"), (unexpected, "unexpected"), (wrong, "with the wrong shape")) if names]
+              ((missing, "missing"), (unexpected, "unexpected"), (wrong, "with the wrong shape"),
+               (wrong_dtype, "of an unsupported dtype")) if names]
     lines = [f"model directory {path} does not fit its config.json ({cfg.architecture}, {cfg.num_layers} layers, "
              f"{cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, head_dim {cfg.head_dim}): "
              f"{', '.join(counts)}; it holds {len(index)} tensors, the config needs {len(expected)}:"]
     lines += [f"  missing: {n} {expected[n]}" for n in missing]
     lines += [f"  unexpected: {n} {index[n][1]} in {index[n][0]}" for n in unexpected]
     lines += [f"  wrong shape: {n} is {index[n][1]} in {index[n][0]}, expected {expected[n]}" for n in wrong]
+    lines += [f"  unsupported dtype: {n} is {index[n].dtype} in {index[n].file}, expected one of {list(loadable)}"
+              for n in wrong_dtype]
     raise ValueError("\n".join(lines))
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models import add_norm, gemv, invariant_linear
+from models import add_norm, fp8, gemv, invariant_linear
 from models.config import ModelConfig
 from models.context import ForwardContext
 from models.ops import FLASHINFER_KERNELS, GPU_EXTRA, TORCH_KERNELS, flashinfer_installed
@@ -66,8 +66,11 @@ class Engine:
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
         if on_gpu:
             torch.cuda.set_device(self.device)
+        self.kv_dtype = fp8.FP8 if cfg.cache.dtype == "fp8_e4m3" else self.dtype
         if on_gpu and model_config.fp8:
-            _check_fp8_gpu(self.device, self.dtype)
+            _check_fp8_gpu(self.device, self.dtype, "FP8 weights (model.quantization=fp8 or an FP8 checkpoint)")
+        if on_gpu and self.kv_dtype == fp8.FP8:
+            _check_fp8_gpu(self.device, self.dtype, "cache.dtype=fp8_e4m3")
         self.stream = torch.cuda.Stream(self.device) if on_gpu else None
         self.max_seq_len = min(cfg.model.max_seq_len, model_config.max_position_embeddings)
         self.page_size = cfg.cache.page_size
@@ -86,9 +89,8 @@ class Engine:
         triton_gpu = use_fi and gemv.supported(self.device)
         if triton_gpu and add_norm.PREFERRED:
             kernels = dataclasses.replace(kernels, add_rms_norm=add_norm.add_rms_norm)
-        # The fused single-token layers pay only inside CUDA graphs (Triton's eager launch overhead) and read
-        # bf16/fp16 weights.
-        fused = cfg.engine.fused_gemv != "never" and not cfg.engine.deterministic and not model_config.fp8
+        # The fused single-token layers pay only inside CUDA graphs (Triton's eager launch overhead).
+        fused = cfg.engine.fused_gemv != "never" and not cfg.engine.deterministic
         if fused and triton_gpu and self.tp_size == 1 and cfg.engine.cuda_graph_max_bs > 0:
             kernels = dataclasses.replace(kernels, fused_gemv=True)
         if triton_gpu and model_config.is_moe:
@@ -110,7 +112,7 @@ class Engine:
         heads = self.model.model.layers[0].self_attn
         self.kv_cache = KVCache(
             model_config.num_layers, self.num_pages, self.page_size, heads.num_kv_heads, model_config.head_dim,
-            self.dtype, self.device,
+            self.kv_dtype, self.device,
         )
         rows = self.max_running + 1
         self.page_table = torch.full((rows, self.max_pages_per_req), DUMMY_PAGE, dtype=torch.int32, device=self.device)
@@ -158,6 +160,8 @@ class Engine:
 
             prefill_tokens = min(cfg.engine.cuda_graph_prefill_tokens, cfg.scheduler.max_prefill_tokens,
                                  self.max_running * self.max_seq_len)
+            if self.kv_cache.fp8:  # its prefill copies a batch-sized set of pages: eager (see flashinfer_backend.py)
+                prefill_tokens = 0
             with torch.cuda.stream(self.stream):
                 self.graph_runner = GraphRunner(self, min(cfg.engine.cuda_graph_max_bs, self.max_running), prefill_tokens)
         if self.stream is not None:
@@ -187,7 +191,8 @@ class Engine:
         min_after, _ = agree_on_memory(self._free_memory(self.weight_bytes))
         model_bytes = min_before - min_after
         local_heads = self.model.model.layers[0].self_attn.num_kv_heads
-        per_page = page_bytes(self.model_config.num_layers, local_heads, self.model_config.head_dim, self.page_size, self.dtype)
+        per_page = page_bytes(self.model_config.num_layers, local_heads, self.model_config.head_dim, self.page_size,
+                              self.kv_dtype)
         if self.cfg.cache.num_pages > 0:
             num_pages = self.cfg.cache.num_pages
         else:
@@ -295,10 +300,10 @@ class Engine:
             torch.cuda.synchronize(self.device)
 
 
-def _check_fp8_gpu(device: torch.device, dtype: torch.dtype) -> None:
-    """FP8 GEMMs with row-wise scales need Ada or Hopper tensor cores and give bfloat16 results."""
+def _check_fp8_gpu(device: torch.device, dtype: torch.dtype, setting: str) -> None:
+    """FP8 GEMMs with row-wise scales and the e4m3 conversions need Ada or Hopper; FP8 runs beside bfloat16."""
     if torch.cuda.get_device_capability(device) < (8, 9):
-        raise ValueError(f"model.quantization=fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+        raise ValueError(f"{setting} needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
                          f"{torch.cuda.get_device_name(device)} is {torch.cuda.get_device_capability(device)}")
     if dtype != torch.bfloat16:
-        raise ValueError(f"model.quantization=fp8 on the GPU runs in bfloat16; model.dtype resolved to {dtype}")
+        raise ValueError(f"{setting} on the GPU runs in bfloat16; model.dtype resolved to {dtype}")

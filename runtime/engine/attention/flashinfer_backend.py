@@ -1,4 +1,8 @@
-"""flashinfer paged attention (GPU), plus the Triton decode kernels for CUDA graphs."""
+"""flashinfer paged attention (GPU), plus the Triton decode kernels for CUDA graphs.
+
+An FP8 KV cache decodes with the Triton kernels only (they read e4m3); prefill runs flashinfer's bf16 kernel
+on a copy of the batch's pages widened to the model dtype (exact), made per layer: prefill is bound by its
+GEMMs, and the copy is a small share of a prefill step."""
 
 from __future__ import annotations
 
@@ -73,6 +77,17 @@ class FlashInferBackend:
         self._paged_counters: torch.Tensor | None = None
         # Deterministic: every decode on paged_decode with one chunk size, and prefill never splits the KV.
         self.deterministic = deterministic
+        self.kv_fp8 = kv_cache.fp8
+        if self.kv_fp8:
+            if not pd.supports(num_qo_heads, num_kv_heads, head_dim, dtype):
+                raise ValueError(
+                    f"cache.dtype=fp8_e4m3 decodes with paged_decode, which needs Triton, a 16-bit model.dtype, a "
+                    f"power-of-two head_dim >= 16 and at most 16 query heads per KV head (got {dtype}, head_dim "
+                    f"{head_dim}, {num_qo_heads} query and {num_kv_heads} KV heads)"
+                )
+            self.eager_paged = self._paged_state(page_table.shape[0], page_table.shape[1])
+            self.staged_pages: torch.Tensor | None = None  # a prefill's pages, in flashinfer's order
+            self.host_scales = kv_cache.scales.tolist()  # flashinfer takes the K and V scales as floats
         if deterministic:
             if not pd.supports(num_qo_heads, num_kv_heads, head_dim, dtype):
                 raise ValueError(
@@ -111,13 +126,16 @@ class FlashInferBackend:
 
     def prepare(self, batch: Batch, wrapper: object | None = None) -> None:
         self.split = self.paged = None
-        if self.deterministic and batch.is_decode:
+        if (self.deterministic or self.kv_fp8) and batch.is_decode:
             self.active, self.paged = None, self.eager_paged
             return
         hq, hkv, dim = self.heads
         page = self.kv_cache.page_size
         num_pages, indptr, last_len = paged_layout(batch.kv_lens, page)
         indices = self._indices(batch, num_pages)
+        if self.kv_fp8:  # prefill reads a widened copy of these pages, numbered in order
+            self.staged_pages = indices
+            indices = torch.arange(indices.numel(), dtype=torch.int32, device=self.device)
         indptr_t, last_t = torch.from_numpy(indptr), torch.from_numpy(last_len)
         if batch.is_decode:
             wrapper = wrapper or self.decode[self.decode_uses_tensor_cores(batch.size)]
@@ -136,15 +154,20 @@ class FlashInferBackend:
 
     def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int, cos_sin: torch.Tensor) -> torch.Tensor:
         batch = get_ctx().batch
+        cache, scales = self.kv_cache.buffer[layer_id], self.kv_cache.scales[layer_id]
         if self.split is not None:
             splits, workspace = self.split
             return sd.split_decode(q, kv, batch.positions, batch.req_rows, batch.out_loc, cos_sin, self.page_table,
-                                   self.kv_cache.buffer[layer_id], workspace, splits)
+                                   cache, workspace, splits, scales)
         if self.paged is not None:
             chunk, chunks, workspace, counters = self.paged
             return pd.paged_decode(q, kv, batch.positions, batch.req_rows, batch.out_loc, cos_sin, self.page_table,
-                                   self.kv_cache.buffer[layer_id], workspace, counters, chunk, chunks)
+                                   cache, workspace, counters, chunk, chunks, scales)
         rope_and_store(batch.positions, q, kv, cos_sin, self.kv_cache, layer_id, batch.out_loc)
+        if self.kv_fp8:
+            k_scale, v_scale = self.host_scales[layer_id]
+            staged = cache[:, self.staged_pages].to(self.dtype)
+            return self.active.run(q, (staged[0], staged[1]), k_scale=k_scale, v_scale=v_scale)
         return self.active.run(q, (self.kv_cache.k(layer_id), self.kv_cache.v(layer_id)))
 
     def init_graph(self, bs: int, max_pages_per_req: int) -> None:

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from runtime.engine.attention.split_decode import LOG2E
+from runtime.engine.attention.split_decode import LOG2E, _fp8_cache
 
 try:
     import triton
@@ -19,6 +19,7 @@ except ImportError:  # CPU-only installs never reach the flashinfer backend
 BLOCK_TOKENS = 64
 
 if triton is not None:
+    from runtime.engine.attention.kv_fp8 import load_scales, to_cache
     from runtime.engine.attention.split_decode import _merge_if_last
 
     @triton.jit
@@ -26,13 +27,14 @@ if triton is not None:
         q, m, lsum, acc, pages, head, t0, end, plane_stride, scale, HKV: tl.constexpr, D: tl.constexpr,
         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
     ):
-        """Fold cached tokens [t0, t0 + BLOCK_N) into the softmax state (P rounded as flashinfer's kernel does)."""
+        """Fold cached tokens [t0, t0 + BLOCK_N) into the softmax state (P rounded as flashinfer's kernel does).
+        An FP8 cache's values widen exactly to q's dtype; their scales are in ``scale`` and applied to the output."""
         t = t0 + tl.arange(0, BLOCK_N)
         t_ok = t < end
         page = tl.load(pages + t // PAGE, mask=t_ok, other=0).to(tl.int64)
         slot = head + ((page * PAGE) + t % PAGE)[:, None] * (HKV * D)
-        k = tl.load(slot, mask=t_ok[:, None], other=0.0)
-        v = tl.load(slot + plane_stride, mask=t_ok[:, None], other=0.0)
+        k = tl.load(slot, mask=t_ok[:, None], other=0.0).to(q.dtype)
+        v = tl.load(slot + plane_stride, mask=t_ok[:, None], other=0.0).to(q.dtype)
         if INTERPRET:  # the interpreter's bf16 products are wrong
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
         else:
@@ -57,9 +59,10 @@ if triton is not None:
     @triton.jit
     def _chunk_attend(
         q_ptr, q_stride, kv_ptr, kv_stride, pos_ptr, row_ptr, loc_ptr, cos_sin_ptr, table_ptr, table_stride,
-        cache_ptr, plane_stride, part_ptr, count_ptr, out_ptr, scale, HQ: tl.constexpr, HKV: tl.constexpr,
-        GROUP: tl.constexpr, GROUP_P2: tl.constexpr, D: tl.constexpr, QROWS: tl.constexpr, PAGE: tl.constexpr,
-        CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+        cache_ptr, plane_stride, kv_scale_ptr, part_ptr, count_ptr, out_ptr, scale, HQ: tl.constexpr,
+        HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, D: tl.constexpr, QROWS: tl.constexpr,
+        PAGE: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+        KV_FP8: tl.constexpr, INTERPRET: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -81,14 +84,18 @@ if triton is not None:
         freq = tl.where(first_half, dims, dims - HALF)
         cos = tl.load(cos_sin_ptr + pos * D + freq)
         sin = tl.load(cos_sin_ptr + pos * D + HALF + freq)
-        dtype = cache_ptr.dtype.element_ty
+        dtype = q_ptr.dtype.element_ty
+        cache_ty = cache_ptr.dtype.element_ty
+        k_scale, v_scale = load_scales(kv_scale_ptr, KV_FP8)
+        scale = scale * k_scale
         q_rows = q_ptr + b.to(tl.int64) * q_stride + (h * GROUP + g)[:, None] * D
         q = _rotate(q_rows, dims[None, :], swapped[None, :], sign, cos, sin, g_ok[:, None]).to(dtype)
         if start + CHUNK > pos:
             # Seeding the state from registers means no program reads a slot written in this step: nothing to order.
+            # The seed is the value as cached, so this step sees what later steps will read.
             k_row = kv_ptr + b.to(tl.int64) * kv_stride + h * D
-            k_new = _rotate(k_row, dims, swapped, sign, cos, sin, dims < D).to(dtype)
-            v_new = tl.load(k_row + HKV * D + dims)
+            k_new = to_cache(_rotate(k_row, dims, swapped, sign, cos, sin, dims < D), k_scale, cache_ty, KV_FP8)
+            v_new = to_cache(tl.load(k_row + HKV * D + dims), v_scale, cache_ty, KV_FP8)
             slot = cache_ptr + tl.load(loc_ptr + b).to(tl.int64) * (HKV * D) + h * D + dims
             tl.store(slot, k_new)
             tl.store(slot + plane_stride, v_new)
@@ -109,6 +116,8 @@ if triton is not None:
             for i in range(0, tl.cdiv(cached_end - start, BLOCK_N)):
                 m, lsum, acc = _attend_block(q, m, lsum, acc, pages, head, start + i * BLOCK_N, cached_end,
                                              plane_stride, scale, HKV, D, PAGE, BLOCK_N, INTERPRET)
+        if KV_FP8:
+            acc *= v_scale
         if CHUNKS_P2 == 1:
             out = out_ptr + b.to(tl.int64) * (HQ * D) + (h * GROUP + g)[:, None] * D + dims[None, :]
             tl.store(out, (acc / lsum[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
@@ -170,21 +179,24 @@ def new_counters(batch_size: int, kv_heads: int, device: torch.device) -> torch.
 def paged_decode(
     q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, out_loc: torch.Tensor,
     cos_sin: torch.Tensor, page_table: torch.Tensor, cache: torch.Tensor, workspace: torch.Tensor,
-    counters: torch.Tensor, chunk: int, chunks: int,
+    counters: torch.Tensor, chunk: int, chunks: int, kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of one new token per request, applying RoPE and writing its K and V to ``out_loc``."""
+    """Attention of one new token per request, applying RoPE and writing its K and V to ``out_loc``;
+    ``kv_scales``: the layer's (k_scale, v_scale), needed by an FP8 cache."""
     batch, heads, dim = q.shape
     kv_heads = cache.shape[3]
     group = heads // kv_heads
     out = torch.empty(batch, heads * dim, dtype=q.dtype, device=q.device)
     grid_chunks = min(chunks, triton.cdiv(page_table.shape[1] * cache.shape[2], chunk))
     warps, stages = launch_config(dim, chunk)
+    fp8 = _fp8_cache(cache, kv_scales)
     _chunk_attend[(batch, kv_heads, grid_chunks)](
         q, q.stride(0), kv, kv.stride(0), positions, rows, out_loc, cos_sin, page_table, page_table.stride(0), cache,
-        cache.stride(0), workspace, counters, out, LOG2E / math.sqrt(dim),
+        cache.stride(0), kv_scales if fp8 else workspace, workspace, counters, out,
+        LOG2E / math.sqrt(dim),
         HQ=heads, HKV=kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group), D=dim,
         QROWS=max(16, triton.next_power_of_2(group)), PAGE=cache.shape[2], CHUNK=chunk, CHUNKS_P2=chunks,
-        BLOCK_N=BLOCK_TOKENS, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+        BLOCK_N=BLOCK_TOKENS, KV_FP8=fp8, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=warps, num_stages=stages,
     )
     return out

@@ -18,6 +18,7 @@ except ImportError:  # CPU-only installs never reach the flashinfer backend
 LOG2E = 1.4426950408889634
 
 if triton is not None:
+    from runtime.engine.attention.kv_fp8 import load_scales, to_cache
 
     @triton.jit
     def _load_block(
@@ -42,9 +43,9 @@ if triton is not None:
     @triton.jit
     def _split_attend(
         q_ptr, q_stride, kv_ptr, kv_stride, pos_ptr, row_ptr, loc_ptr, cos_sin_ptr, table_ptr, table_stride,
-        cache_ptr, plane_stride, part_ptr, count_ptr, out_ptr, scale,
+        cache_ptr, plane_stride, kv_scale_ptr, part_ptr, count_ptr, out_ptr, scale,
         HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HALF: tl.constexpr,
-        PAGE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+        PAGE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -53,7 +54,10 @@ if triton is not None:
         dims = tl.arange(0, HALF)
         g = tl.arange(0, GROUP_P2)
         g_ok = g < GROUP
-        dtype = cache_ptr.dtype.element_ty
+        dtype = q_ptr.dtype.element_ty
+        cache_ty = cache_ptr.dtype.element_ty
+        # An FP8 cache holds K / k_scale and V / v_scale: k_scale goes into q's scale, v_scale onto the output.
+        k_scale, v_scale = load_scales(kv_scale_ptr, KV_FP8)
         # Before gdc_wait, read only what no PDL kernel of this step writes (ARCHITECTURE.md, invariant 13).
         pos = tl.load(pos_ptr + b)
         share = _share(pos, SPLITS, BLOCK_N)
@@ -74,14 +78,16 @@ if triton is not None:
         q1 = tl.load(q, mask=g_ok[:, None], other=0.0).to(tl.float32)
         q2 = tl.load(q + HALF, mask=g_ok[:, None], other=0.0).to(tl.float32)
         q1, q2 = (q1 * cos - q2 * sin).to(dtype).to(tl.float32), (q2 * cos + q1 * sin).to(dtype).to(tl.float32)
-        q1 *= scale
-        q2 *= scale
+        q1 *= scale * k_scale
+        q2 *= scale * k_scale
         k_new = kv_ptr + b.to(tl.int64) * kv_stride + h * D + dims
         k1 = tl.load(k_new).to(tl.float32)
         k2 = tl.load(k_new + HALF).to(tl.float32)
-        k1, k2 = (k1 * cos - k2 * sin).to(dtype), (k2 * cos + k1 * sin).to(dtype)
-        v1 = tl.load(k_new + HKV * D)
-        v2 = tl.load(k_new + HKV * D + HALF)
+        # The new token as cached, so this step sees what later steps will read.
+        k1, k2 = to_cache(k1 * cos - k2 * sin, k_scale, cache_ty, KV_FP8), to_cache(k2 * cos + k1 * sin, k_scale,
+                                                                                  cache_ty, KV_FP8)
+        v1 = to_cache(tl.load(k_new + HKV * D), v_scale, cache_ty, KV_FP8)
+        v2 = to_cache(tl.load(k_new + HKV * D + HALF), v_scale, cache_ty, KV_FP8)
         if s == 0:
             slot = cache_ptr + tl.load(loc_ptr + b) * (HKV * D) + h * D + dims
             tl.store(slot, k1)
@@ -116,6 +122,9 @@ if triton is not None:
             acc1 = acc1 * alpha[:, None] + p[:, None] * v1.to(tl.float32)[None, :]
             acc2 = acc2 * alpha[:, None] + p[:, None] * v2.to(tl.float32)[None, :]
             m = m_new
+        if KV_FP8:
+            acc1 *= v_scale
+            acc2 *= v_scale
         if SPLITS == 1:
             out = out_ptr + b.to(tl.int64) * (HQ * D) + (h * GROUP + g)[:, None] * D + dims[None, :]
             tl.store(out, (acc1 / lsum[:, None]).to(dtype), mask=g_ok[:, None])
@@ -166,6 +175,13 @@ if triton is not None:
             tl.atomic_xchg(count, 0)
 
 
+def _fp8_cache(cache: torch.Tensor, kv_scales: torch.Tensor | None) -> bool:
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    if fp8 and kv_scales is None:
+        raise ValueError("an FP8 KV cache needs its layer's kv_scales")
+    return fp8
+
+
 def supports(head_dim: int) -> bool:
     return triton is not None and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
@@ -191,8 +207,10 @@ def new_workspace(batch_size: int, kv_heads: int, group: int, head_dim: int, spl
 def split_decode(
     q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, out_loc: torch.Tensor,
     cos_sin: torch.Tensor, page_table: torch.Tensor, cache: torch.Tensor, workspace: torch.Tensor, splits: int,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of one new token per request, applying RoPE and writing its K and V to the cache."""
+    """Attention of one new token per request, applying RoPE and writing its K and V to the cache;
+    ``kv_scales``: the layer's (k_scale, v_scale), needed by an FP8 cache."""
     batch, heads, dim = q.shape
     kv_heads = kv.shape[2]
     group = heads // kv_heads
@@ -201,10 +219,11 @@ def split_decode(
     block = block_tokens(group, dim)
     warps = 4 if group * dim <= 512 else 8
     counters = workspace[workspace.numel() - batch * kv_heads:].view(torch.int32)
+    fp8 = _fp8_cache(cache, kv_scales)
     _split_attend[(batch, kv_heads, splits)](
         q, q.stride(0), kv, kv.stride(0), positions, rows, out_loc, cos_sin, page_table, page_table.stride(0),
-        cache, cache.stride(0), workspace, counters, out, LOG2E / math.sqrt(dim),
+        cache, cache.stride(0), kv_scales if fp8 else workspace, workspace, counters, out, LOG2E / math.sqrt(dim),
         HQ=heads, HKV=kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group), HALF=dim // 2,
-        PAGE=cache.shape[2], SPLITS=splits, BLOCK_N=block, PDL=pdl, launch_pdl=pdl, num_warps=warps,
+        PAGE=cache.shape[2], SPLITS=splits, BLOCK_N=block, KV_FP8=fp8, PDL=pdl, launch_pdl=pdl, num_warps=warps,
     )
     return out

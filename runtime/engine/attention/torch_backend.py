@@ -69,30 +69,26 @@ class TorchAttentionBackend:
         rope_torch(batch.positions, q, kv[:, 0], cos_sin)
         self.kv_cache.store(layer_id, batch.out_loc, kv)
         heads, dim = q.shape[1:]
-        kv_heads = kv.shape[2]
         if self.deterministic:
-            return self._per_token(q, layer_id, kv_heads)
+            return self._per_token(q, layer_id)
         q_pad = torch.cat((q, q.new_zeros(1, heads, dim)))[meta.q_index]
-        keys = self.kv_cache.k(layer_id).view(-1, kv_heads, dim)[meta.kv_slots]
-        values = self.kv_cache.v(layer_id).view(-1, kv_heads, dim)[meta.kv_slots]
+        keys = self.kv_cache.read(layer_id, 0, meta.kv_slots, q.dtype)
+        values = self.kv_cache.read(layer_id, 1, meta.kv_slots, q.dtype)
         out = F.scaled_dot_product_attention(
             q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
             attn_mask=meta.mask, scale=self.scale, enable_gqa=True,
         )
         return out.transpose(1, 2).reshape(-1, heads, dim)[meta.out_index]
 
-    def _per_token(self, q: torch.Tensor, layer_id: int, kv_heads: int) -> torch.Tensor:
+    def _per_token(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
         """One SDPA call a token over exactly its own keys: BLAS splits work by shape."""
         meta = self.meta
-        heads, dim = q.shape[1:]
-        keys = self.kv_cache.k(layer_id).view(-1, kv_heads, dim)
-        values = self.kv_cache.v(layer_id).view(-1, kv_heads, dim)
         out = torch.empty_like(q)
         for token, (request, length) in enumerate(zip(meta.token_request.tolist(), meta.token_kv_len.tolist())):
             slots = meta.kv_slots[request, :length]
+            keys, values = (self.kv_cache.read(layer_id, plane, slots, q.dtype) for plane in (0, 1))
             out[token] = F.scaled_dot_product_attention(
-                q[token, :, None], keys[slots].transpose(0, 1), values[slots].transpose(0, 1), scale=self.scale,
-                enable_gqa=True,
+                q[token, :, None], keys.transpose(0, 1), values.transpose(0, 1), scale=self.scale, enable_gqa=True,
             )[:, 0]
         return out
 

@@ -1,0 +1,42 @@
+"""The KV cache's FP8 encoding inside the Triton kernels: ``K / k_scale`` (or V) saturated to e4m3, as
+``kv_cache.quantize_kv`` does in torch; a bf16/fp16 cache stores the value as it is."""
+
+from __future__ import annotations
+
+import os
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs never reach the Triton kernels
+    triton = None
+
+if triton is not None:
+    # Triton's interpreter rounds float32 -> e4m3 wrongly (no carry into the exponent, ties away from zero),
+    # so under it the value is first rounded on e4m3's grid in float32 arithmetic; the GPU converts in hardware.
+    _INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+    @triton.jit
+    def _on_e4m3_grid(x):
+        """``x`` (float32, |x| <= 448) rounded to the nearest e4m3 value, ties to even, still in float32."""
+        exponent = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # subnormals: 2^-9 steps
+        step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+        steps = tl.abs(x) / step  # exact: a power of two
+        steps = (steps + 8388608.0) - 8388608.0  # round to nearest even at 2^23
+        return tl.where(x < 0, -steps, steps) * step
+
+    @triton.jit
+    def to_cache(x, scale, cache_ty: tl.constexpr, FP8: tl.constexpr):
+        """``x`` (any float) as the cache stores it."""
+        if FP8:
+            x = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -448.0, 448.0)
+            if _INTERPRET:
+                x = _on_e4m3_grid(x)
+        return x.to(cache_ty)
+
+    @triton.jit
+    def load_scales(scale_ptr, FP8: tl.constexpr):
+        """This layer's (k_scale, v_scale); 1.0 for a bf16/fp16 cache."""
+        if FP8:
+            return tl.load(scale_ptr), tl.load(scale_ptr + 1)
+        return 1.0, 1.0
