@@ -33,6 +33,8 @@ class Fp8Checkpoint:
     scale_name: str  # "weight_scale" or "weight_scale_inv"
     strategies: tuple[str, ...]  # of "channel", "tensor", "block"
     block: tuple[int, int] | None = None
+    # Calibrated FP8 KV-cache scales, one float32 per tensor: ``model.layers.N.self_attn.k_scale`` and ``v_scale``.
+    kv_scales: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,11 @@ class ModelConfig:
     @property
     def fp8(self) -> bool:
         return self.quantization == "fp8" or (self.quantization == "auto" and self.checkpoint_fp8 is not None)
+
+    @property
+    def kv_scales(self) -> bool:
+        """The checkpoint holds each layer's calibrated K and V scales for an FP8 KV cache."""
+        return self.checkpoint_fp8 is not None and self.checkpoint_fp8.kv_scales
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers
@@ -159,8 +166,9 @@ def _moe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
             "norm_topk_prob": renormalize, "sparse_layers": sparse}
 
 
-_SUPPORTED = ("tpinfer loads FP8 checkpoints (compressed-tensors float8 weights per channel, tensor or block; "
-              "quant_method 'fp8') and bf16, fp16 or fp32 ones, which model.quantization=fp8 quantises at load")
+_SUPPORTED = ("tpinfer loads FP8 checkpoints (compressed-tensors float8 weights per channel, tensor or block, and "
+              "static float8 KV-cache scales per tensor; quant_method 'fp8') and bf16, fp16 or fp32 ones, which "
+              "model.quantization=fp8 quantises at load")
 _CT_FP8_FORMATS = ("float-quantized", "naive-quantized")
 _CT_STRATEGIES = ("channel", "tensor", "block")
 
@@ -210,13 +218,16 @@ def _fine_grained_fp8(quant: dict[str, Any], source: str) -> Fp8Checkpoint:
 
 def _compressed_tensors(quant: dict[str, Any], source: str) -> Fp8Checkpoint:
     """llm-compressor's float8 checkpoints (FP8, FP8_DYNAMIC, FP8_BLOCK): ``weight_scale`` per channel,
-    tensor or block. Activation schemes are not needed: activations are quantised per token at run time."""
+    tensor or block, and optionally a static FP8 KV-cache scale per tensor. Activation schemes are not needed:
+    activations are quantised per token at run time."""
     fmt = quant.get("format")
     if fmt not in _CT_FP8_FORMATS:
         raise _unsupported(source, "quantization_config.format", fmt, f" (FP8 weights are {list(_CT_FP8_FORMATS)})")
-    for field in ("kv_cache_scheme", "transform_config"):
-        if quant.get(field):
-            raise _unsupported(source, f"quantization_config.{field}", quant[field])
+    if quant.get("transform_config"):
+        raise _unsupported(source, "quantization_config.transform_config", quant["transform_config"])
+    kv_scheme = quant.get("kv_cache_scheme")
+    if kv_scheme:
+        _kv_cache_scheme(kv_scheme, source)
     sparsity = quant.get("sparsity_config")
     if sparsity and (not isinstance(sparsity, dict) or sparsity.get("format", "dense") != "dense"):
         raise _unsupported(source, "quantization_config.sparsity_config", sparsity, " (dense weights only)")
@@ -230,7 +241,24 @@ def _compressed_tensors(quant: dict[str, Any], source: str) -> Fp8Checkpoint:
         raise _unsupported(source, "quantization_config.config_groups block_structure", sorted(blocks),
                            " (one block size a checkpoint)")
     strategies = tuple(dict.fromkeys(strategy for strategy, _ in schemes))
-    return Fp8Checkpoint("compressed-tensors", "weight_scale", strategies, next(iter(blocks), None))
+    return Fp8Checkpoint("compressed-tensors", "weight_scale", strategies, next(iter(blocks), None), bool(kv_scheme))
+
+
+def _kv_cache_scheme(scheme: Any, source: str) -> None:
+    """Refuse any KV-cache scheme but static symmetric float8 with one scale per tensor: the cache keeps one K
+    and one V scale a layer (runtime/engine/kv_cache.py)."""
+    where = "quantization_config.kv_cache_scheme"
+    if not isinstance(scheme, dict):
+        raise _unsupported(source, where, scheme, " (static float8 per tensor expected)")
+    if scheme.get("group_size") is not None:
+        raise _unsupported(source, f"{where}.group_size", scheme["group_size"], " (one scale per tensor)")
+    # compressed-tensors' defaults for absent fields: int8, symmetric, static, per tensor (without a group size).
+    for field, default, supported in (("type", "int", "float"), ("num_bits", 8, 8), ("symmetric", True, True),
+                                      ("dynamic", False, False), ("strategy", "tensor", "tensor")):
+        value = scheme.get(field)
+        value = default if value is None else value
+        if (value.lower() if isinstance(value, str) else value) != supported:
+            raise _unsupported(source, f"{where}.{field}", value, f" (FP8 KV-cache scales are {field}={supported!r})")
 
 
 def _compressed_tensors_weights(where: str, group: Any, source: str) -> tuple[str, tuple[int, int] | None]:

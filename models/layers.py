@@ -105,6 +105,13 @@ def load_replicated(param: torch.Tensor, source: SliceSource, shard_id: Any = No
     copy_into(param.data, source[:])
 
 
+def load_per_tensor_scale(param: torch.Tensor, source: SliceSource, shard_id: Any = None) -> None:
+    """A per-tensor scale into a ``[1]`` parameter: checkpoints store it as ``[]`` or ``[1]``, the same on every
+    rank."""
+    loaded = source[...]
+    copy_into(param.data, loaded.reshape(1) if loaded.numel() == 1 else loaded)
+
+
 def new_param(*shape: int, loader: Any, dtype: torch.dtype | None = None) -> nn.Parameter:
     """A parameter in the model's dtype, or in ``dtype`` whatever the model's (FP8 weights, their scales)."""
     param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)

@@ -15,6 +15,8 @@ from models.layers import (
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
+    load_per_tensor_scale,
+    new_param,
 )
 from models.moe import SparseMoE
 from models.ops import TORCH_KERNELS, Kernels
@@ -37,6 +39,11 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels)
         self.qk_norm = cfg.qk_norm
+        if cfg.kv_scales:
+            # The checkpoint's calibrated FP8 KV-cache scales, which the engine copies into the cache; per
+            # tensor, so every rank holds them whole.
+            self.k_scale = new_param(1, loader=load_per_tensor_scale, dtype=torch.float32)
+            self.v_scale = new_param(1, loader=load_per_tensor_scale, dtype=torch.float32)
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         return self.o_proj(self.attend(self.qkv_proj(x), cos_sin))

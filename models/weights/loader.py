@@ -28,6 +28,9 @@ FP8_DTYPE = "F8_E4M3"  # safetensors' name of torch.float8_e4m3fn
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 # Static activation scales beside FP8 weights: not used, activations are quantised per token at run time.
 ACTIVATION_SCALES = ("input_scale", "activation_scale")
+# Calibrated FP8 KV-cache scales (compressed-tensors kv_cache_scheme): one per tensor, stored as [] or [1].
+KV_SCALES = ("self_attn.k_scale", "self_attn.v_scale")
+PER_TENSOR_SHAPES = ((), (1,))
 
 
 class TensorInfo(NamedTuple):
@@ -218,9 +221,10 @@ def check_checkpoint(path: Path, index: dict[str, TensorInfo], model: LlamaForCa
     expected = checkpoint_shapes(cfg)
     missing = sorted(expected.keys() - index.keys(), key=_natural)
     unexpected = sorted((n for n in index if n not in expected and _target_param(n, model) is not None), key=_natural)
-    wrong = sorted((n for n in expected.keys() & index.keys() if index[n].shape != expected[n]), key=_natural)
-    loadable = (*FLOAT_DTYPES, FP8_DTYPE)
-    wrong_dtype = sorted((n for n in expected.keys() & index.keys() if index[n].dtype not in loadable), key=_natural)
+    wrong = sorted((n for n in expected.keys() & index.keys() if not _shape_fits(n, index[n].shape, expected[n])),
+                   key=_natural)
+    wrong_dtype = sorted((n for n in expected.keys() & index.keys() if index[n].dtype not in _loadable(n)),
+                         key=_natural)
     if not (missing or unexpected or wrong or wrong_dtype):
         return
     counts = [f"{len(names)} {what}" for names, what in
@@ -229,12 +233,26 @@ def check_checkpoint(path: Path, index: dict[str, TensorInfo], model: LlamaForCa
     lines = [f"model directory {path} does not fit its config.json ({cfg.architecture}, {cfg.num_layers} layers, "
              f"{cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, head_dim {cfg.head_dim}): "
              f"{', '.join(counts)}; it holds {len(index)} tensors, the config needs {len(expected)}:"]
-    lines += [f"  missing: {n} {expected[n]}" for n in missing]
+    lines += [f"  missing: {n} {expected[n]}" + (" (config.json's quantization_config.kv_cache_scheme needs it)"
+                                                  if _is_kv_scale(n) else "") for n in missing]
     lines += [f"  unexpected: {n} {index[n][1]} in {index[n][0]}" for n in unexpected]
-    lines += [f"  wrong shape: {n} is {index[n][1]} in {index[n][0]}, expected {expected[n]}" for n in wrong]
-    lines += [f"  unsupported dtype: {n} is {index[n].dtype} in {index[n].file}, expected one of {list(loadable)}"
+    lines += [f"  wrong shape: {n} is {index[n][1]} in {index[n][0]}, expected "
+              f"{' or '.join(map(str, PER_TENSOR_SHAPES)) if _is_kv_scale(n) else expected[n]}" for n in wrong]
+    lines += [f"  unsupported dtype: {n} is {index[n].dtype} in {index[n].file}, expected one of {list(_loadable(n))}"
               for n in wrong_dtype]
     raise ValueError("\n".join(lines))
+
+
+def _is_kv_scale(name: str) -> bool:
+    return name.endswith(KV_SCALES)
+
+
+def _shape_fits(name: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> bool:
+    return shape in PER_TENSOR_SHAPES if _is_kv_scale(name) else shape == expected
+
+
+def _loadable(name: str) -> tuple[str, ...]:
+    return FLOAT_DTYPES if _is_kv_scale(name) else (*FLOAT_DTYPES, FP8_DTYPE)
 
 
 def _target_param(ckpt_name: str, model: LlamaForCausalLM) -> tuple[str, object] | None:
@@ -283,12 +301,16 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{layer}self_attn.k_norm.weight"] = (d,)
         shapes[f"{layer}input_layernorm.weight"] = (h,)
         shapes[f"{layer}post_attention_layernorm.weight"] = (h,)
+        if cfg.kv_scales:
+            shapes.update({f"{layer}{name}": (1,) for name in KV_SCALES})
     return shapes
 
 
 def random_checkpoint_tensor(name: str, shape: tuple[int, ...], seed: int, device: torch.device,
                              dtype: torch.dtype) -> torch.Tensor:
     """One benchmark weight, drawn in full on every rank so that any TP size builds the same model."""
+    if _is_kv_scale(name):  # a random scale would saturate or starve an FP8 cache: 1.0, the uncalibrated default
+        return torch.ones(shape, device=device, dtype=torch.float32)
     if "norm" in name:
         return torch.ones(shape, device=device, dtype=dtype)
     if name.endswith("bias"):

@@ -49,6 +49,25 @@ def wants_cuda(device: str) -> bool:
     return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
+def _use_checkpoint_kv_scales(model: torch.nn.Module, kv_cache: KVCache, model_dir: Path) -> None:
+    """An FP8 cache takes each layer's (k_scale, v_scale) from a checkpoint that has calibrated them."""
+    if not model.config.kv_scales:
+        return
+    if not kv_cache.fp8:
+        if get_tp().rank == 0:
+            log.info("%s: the checkpoint's calibrated KV-cache scales are used only with cache.dtype=fp8_e4m3",
+                     model_dir)
+        return
+    attns = [layer.self_attn for layer in model.model.layers]
+    scales = torch.stack([torch.cat((attn.k_scale, attn.v_scale)) for attn in attns])
+    for i, row in enumerate(scales.tolist()):
+        for kind, value in zip("kv", row):
+            if not 0 < value < float("inf"):  # zero, negative or NaN would wreck every cached value
+                raise ValueError(f"{model_dir}: checkpoint tensor model.layers.{i}.self_attn.{kind}_scale is {value}; "
+                                 "a KV-cache scale must be positive and finite")
+    kv_cache.scales.copy_(scales)
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -114,6 +133,7 @@ class Engine:
             model_config.num_layers, self.num_pages, self.page_size, heads.num_kv_heads, model_config.head_dim,
             self.kv_dtype, self.device,
         )
+        _use_checkpoint_kv_scales(self.model, self.kv_cache, model_dir)  # before the backend reads the scales
         rows = self.max_running + 1
         self.page_table = torch.full((rows, self.max_pages_per_req), DUMMY_PAGE, dtype=torch.int32, device=self.device)
         # Token ids live on the device so decode reads its input without waiting for the host.
