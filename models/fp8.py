@@ -36,7 +36,7 @@ if triton is not None:
                 x = tl.load(x_row + k0 + cols, mask=k0 + cols < N, other=0.0).to(tl.float32)
                 peak = tl.maximum(peak, tl.abs(x))
             amax = tl.max(peak, axis=0)
-        scale = tl.maximum(amax, TINY) / FP8_MAX
+        scale = tl.math.div_rn(tl.maximum(amax, TINY), FP8_MAX)  # correctly rounded, as torch divides
         tl.store(scale_ptr + row, scale)
         for k0 in range(0, N, BLOCK):
             ok = k0 + cols < N

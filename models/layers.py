@@ -289,7 +289,9 @@ class RowParallelLinear(_Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale is not None:
             # Each token's scale from its whole row, as at TP=1 (one small all-reduce; see ARCHITECTURE.md).
-            amax = all_reduce_max(x.reshape(-1, x.shape[-1]).abs().amax(dim=-1).float())
+            amax = None
+            if get_tp().size > 1:
+                amax = all_reduce_max(x.reshape(-1, x.shape[-1]).abs().amax(dim=-1).float())
             out = all_reduce(fp8.linear(x, self.weight, self.weight_scale, None, amax))
         elif self.linear_fn is F.linear:
             out = linear_all_reduce(x, self.weight)  # may write the GEMM straight into the all-reduce's buffer

@@ -28,7 +28,7 @@ if triton is not None:
         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
     ):
         """Fold cached tokens [t0, t0 + BLOCK_N) into the softmax state (P rounded as flashinfer's kernel does).
-        An FP8 cache's values widen exactly to q's dtype; their scales are in ``scale`` and applied to the output."""
+        An FP8 cache's values widen exactly to q's dtype (fp16); their scales are in ``scale`` and the output."""
         t = t0 + tl.arange(0, BLOCK_N)
         t_ok = t < end
         page = tl.load(pages + t // PAGE, mask=t_ok, other=0).to(tl.int64)
@@ -85,6 +85,9 @@ if triton is not None:
         cos = tl.load(cos_sin_ptr + pos * D + freq)
         sin = tl.load(cos_sin_ptr + pos * D + HALF + freq)
         dtype = q_ptr.dtype.element_ty
+        if KV_FP8 and dtype == tl.bfloat16:
+            # e4m3 widens to fp16 in one instruction (to bf16 only through float32): the products run in fp16.
+            dtype = tl.float16
         cache_ty = cache_ptr.dtype.element_ty
         k_scale, v_scale = load_scales(kv_scale_ptr, KV_FP8)
         scale = scale * k_scale
