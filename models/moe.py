@@ -24,11 +24,11 @@ from parallel import all_reduce, get_tp
 _EXPERT = re.compile(r"^(?P<layer>model\.layers\.\d+\.)(?:mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\."
                      r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
-_ROUTER = re.compile(r"^(?P<layer>model\.layers\.\d+\.)(?:mlp|block_sparse_moe)\.gate\.weight$")
-
 # Benchmarks set this before building a model: each sparse layer then counts the distinct experts its steps use
 # (``SparseMoE.touched``), the bytes a step really reads.
 COUNT_TOUCHED_EXPERTS = False
+
+_ROUTER = re.compile(r"^(?P<layer>model\.layers\.\d+\.)(?:mlp|block_sparse_moe)\.gate\.weight$")
 
 
 def expert_names(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:

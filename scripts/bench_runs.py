@@ -119,12 +119,10 @@ class TouchedExperts:
         return [b - a for a, b in zip(totals, totals[1:])]
 
 
-def expert_params(model) -> tuple[int, int, int]:  # noqa: ANN001
-    """(parameters of every expert of every layer, parameters of one expert summed over the sparse layers,
-    bytes of one expert summed over the sparse layers)."""
+def expert_bytes(model) -> tuple[int, int]:  # noqa: ANN001
+    """(bytes of every expert of every layer, bytes of one expert summed over the sparse layers), as stored."""
     stacks = [p for n, p in model.named_parameters() if ".experts." in n]
-    return (sum(p.numel() for p in stacks), sum(p[0].numel() for p in stacks),
-            sum(p[0].numel() * p.element_size() for p in stacks))
+    return sum(p.numel() * p.element_size() for p in stacks), sum(p[0].numel() * p.element_size() for p in stacks)
 
 
 def roofline_seconds(llm, log: StepLog, limits: dict[str, float], touched: list[int] | None = None) -> float:  # noqa: ANN001
@@ -133,9 +131,9 @@ def roofline_seconds(llm, log: StepLog, limits: dict[str, float], touched: list[
     at the FP8 peak."""
     mc = llm.model_config
     model = llm.engine.model
-    all_experts, one_expert, one_expert_bytes = expert_params(model)
-    dense_bytes = llm.engine.weight_bytes - one_expert_bytes // max(one_expert, 1) * all_experts
-    expert_bytes = one_expert_bytes // max(len(mc.sparse_layers), 1)
+    all_experts, one_expert = expert_bytes(model)
+    dense_bytes = llm.engine.weight_bytes - all_experts
+    one_expert_one_layer = one_expert // max(len(mc.sparse_layers), 1)
     bf16_peak = limits["bf16_tflops"] * 1e12
 
     def flop_seconds(p: torch.Tensor, params: int) -> float:  # a matmul reading p's weights: at p's dtype's peak
@@ -153,7 +151,7 @@ def roofline_seconds(llm, log: StepLog, limits: dict[str, float], touched: list[
     touched = touched or [mc.num_experts * len(mc.sparse_layers)] * len(log.tokens)
     total = 0.0
     for tokens, kv_read, pairs, experts in zip(log.tokens, log.kv_read, log.attn_pairs, touched):
-        bytes_moved = dense_bytes + experts * expert_bytes + kv_read * kv_token_bytes + tokens * kv_token_bytes
+        bytes_moved = dense_bytes + experts * one_expert_one_layer + kv_read * kv_token_bytes + tokens * kv_token_bytes
         compute_s = matmul_s_per_token * tokens + 4 * mc.num_layers * mc.num_heads * mc.head_dim * pairs / bf16_peak
         total += max(bytes_moved / bw, compute_s)
     return total

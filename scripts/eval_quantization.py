@@ -52,9 +52,9 @@ VARIANTS = {
 
 
 def compare(model: str, overrides: list[str], conversations: list, prompt_ids: list[list[int]], replies: list,
-            ref: list[list[dict]], greedy: SamplingParams) -> dict:
-    """Teacher-forced agreement on the reference replies, then where the variant's own greedy replies differ."""
-    seqs = [p + r.token_ids for p, r in zip(prompt_ids, replies)]
+            seqs: list[list[int]], ref: list[list[dict]], greedy: SamplingParams) -> dict:
+    """Teacher-forced agreement on the reference replies (``seqs``: prompt + reply), then where the variant's own
+    greedy replies differ."""
     ours = teacher_forced(model, overrides, seqs)
     agree, nll_change = [], []
     for a, b, prompt in zip(ref, ours, prompt_ids):
@@ -104,7 +104,7 @@ def main() -> int:
         "model": args.model, "prompts": len(conversations), "reply_tokens": sum(len(r.token_ids) for r in replies),
         "command": " ".join(sys.argv),
         "variants": {v: compare(args.model, [*base_overrides, *VARIANTS[v]], conversations, prompt_ids, replies,
-                                ref, greedy) for v in variants},
+                                seqs, ref, greedy) for v in variants},
     }
     print(json.dumps(result, indent=2))
     if args.out:

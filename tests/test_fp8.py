@@ -185,7 +185,7 @@ def test_a_quantized_checkpoint_is_refused_naming_its_method(tiny_llama_dir, tmp
 
 def test_fp8_config_checks():
     assert load_config(overrides=["model.quantization=fp8"]).model.quantization == "fp8"
-    with pytest.raises(ConfigError, match="model.quantization.*'int4'.*\\['none', 'fp8'\\]"):
+    with pytest.raises(ConfigError, match="model.quantization.*'int4'.*\\['auto', 'none', 'fp8'\\]"):
         load_config(overrides=["model.quantization=int4"])
     with pytest.raises(ConfigError, match="deterministic.*fp8"):
         load_config(overrides=["model.quantization=fp8", "engine.deterministic=true"])

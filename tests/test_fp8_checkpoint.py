@@ -417,5 +417,5 @@ def test_quantization_setting():
     assert load_config(overrides=["model.quantization=none"]).model.quantization == "none"
     with pytest.raises(ConfigError, match="deterministic.*fp8"):
         load_config(overrides=["model.quantization=fp8", "engine.deterministic=true"])
-    with pytest.raises(ConfigError, match="model.quantization.*'int8'.*'none', 'fp8'.*'auto'"):
+    with pytest.raises(ConfigError, match="model.quantization.*'int8'.*\\['auto', 'none', 'fp8'\\]"):
         load_config(overrides=["model.quantization=int8"])

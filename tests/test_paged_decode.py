@@ -60,16 +60,11 @@ def test_matches_float64_and_writes_the_cache(heads, kv_heads, dim, chunk, posit
 def test_fp8_cache_matches_float64_of_the_cached_values(heads, kv_heads, chunk, positions):
     """An e4m3 cache with a K and a V scale (the scales fold into the softmax scale and the output): against
     float64 over the dequantised cache; the new V written bit for bit as ``quantize_kv`` encodes it."""
-    from tests.test_split_decode import FP8_SCALES
+    from tests.test_split_decode import FP8_SCALES, check_fp8_case
 
     case = make_case(heads, kv_heads, 32, positions, 16, torch.float32, seed=4, kv_fp8=True)
     torch.testing.assert_close(case["cache"].scales[0], torch.tensor(FP8_SCALES))
-    ref, k_ref, v_ref = reference(case)
-    out = run(case, chunk)
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
-    flat = case["cache"].buffer[0].reshape(2, -1, kv_heads, 32)
-    torch.testing.assert_close(flat[0, case["out_loc"]].float(), k_ref.float(), rtol=0.07, atol=0)
-    assert torch.equal(flat[1, case["out_loc"]].view(torch.uint8), v_ref.view(torch.uint8))
+    check_fp8_case(case, lambda: run(case, chunk))
 
 
 def test_chunk_size_does_not_change_the_result():

@@ -115,10 +115,16 @@ def test_fp8_cache_matches_float64_of_the_cached_values(heads, kv_heads, splits,
     """An e4m3 cache with a K and a V scale: the output against float64 over the dequantised cache, the new
     token's K and V written as ``quantize_kv`` encodes them (V bit for bit; K up to the rotation's rounding)."""
     case = make_case(heads, kv_heads, 32, positions, 16, torch.float32, seed=3, kv_fp8=True)
+    check_fp8_case(case, lambda: run(case, splits))
+
+
+def check_fp8_case(case: dict, attend) -> None:  # noqa: ANN001 - the kernel call on ``case``
+    """An FP8-cache decode kernel on ``case``: its output against float64 over the dequantised cache, the new
+    K within one e4m3 step (the rotation's rounding) and the new V bit for bit as ``quantize_kv`` encodes them."""
     ref, k_ref, v_ref = reference(case)
-    out = run(case, splits)
+    out = attend()
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
-    flat = case["cache"].buffer[0].reshape(2, -1, kv_heads, 32)
+    flat = case["cache"].buffer[0].reshape(2, -1, *case["cache"].buffer.shape[-2:])
     torch.testing.assert_close(flat[0, case["out_loc"]].float(), k_ref.float(), rtol=0.07, atol=0)
     assert torch.equal(flat[1, case["out_loc"]].view(torch.uint8), v_ref.view(torch.uint8))
 

@@ -235,8 +235,8 @@ def check_checkpoint(path: Path, index: dict[str, TensorInfo], model: LlamaForCa
              f"{', '.join(counts)}; it holds {len(index)} tensors, the config needs {len(expected)}:"]
     lines += [f"  missing: {n} {expected[n]}" + (" (config.json's quantization_config.kv_cache_scheme needs it)"
                                                   if _is_kv_scale(n) else "") for n in missing]
-    lines += [f"  unexpected: {n} {index[n][1]} in {index[n][0]}" for n in unexpected]
-    lines += [f"  wrong shape: {n} is {index[n][1]} in {index[n][0]}, expected "
+    lines += [f"  unexpected: {n} {index[n].shape} in {index[n].file}" for n in unexpected]
+    lines += [f"  wrong shape: {n} is {index[n].shape} in {index[n].file}, expected "
               f"{' or '.join(map(str, PER_TENSOR_SHAPES)) if _is_kv_scale(n) else expected[n]}" for n in wrong]
     lines += [f"  unsupported dtype: {n} is {index[n].dtype} in {index[n].file}, expected one of {list(_loadable(n))}"
               for n in wrong_dtype]

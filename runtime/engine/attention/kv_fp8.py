@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 try:
     import triton
     import triton.language as tl
@@ -40,3 +42,11 @@ if triton is not None:
         if FP8:
             return tl.load(scale_ptr), tl.load(scale_ptr + 1)
         return 1.0, 1.0
+
+
+def is_fp8_cache(cache: torch.Tensor, kv_scales: torch.Tensor | None) -> bool:
+    """Whether a decode kernel reads ``cache`` as e4m3, which needs the layer's (k_scale, v_scale)."""
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    if fp8 and kv_scales is None:
+        raise ValueError("an FP8 KV cache needs its layer's kv_scales")
+    return fp8

@@ -8,7 +8,8 @@ import os
 
 import torch
 
-from runtime.engine.attention.split_decode import LOG2E, _fp8_cache
+from runtime.engine.attention.kv_fp8 import is_fp8_cache
+from runtime.engine.attention.split_decode import LOG2E
 
 try:
     import triton
@@ -192,7 +193,7 @@ def paged_decode(
     out = torch.empty(batch, heads * dim, dtype=q.dtype, device=q.device)
     grid_chunks = min(chunks, triton.cdiv(page_table.shape[1] * cache.shape[2], chunk))
     warps, stages = launch_config(dim, chunk)
-    fp8 = _fp8_cache(cache, kv_scales)
+    fp8 = is_fp8_cache(cache, kv_scales)
     _chunk_attend[(batch, kv_heads, grid_chunks)](
         q, q.stride(0), kv, kv.stride(0), positions, rows, out_loc, cos_sin, page_table, page_table.stride(0), cache,
         cache.stride(0), kv_scales if fp8 else workspace, workspace, counters, out,

@@ -8,6 +8,7 @@ import math
 import torch
 
 from models.gemv import use_pdl
+from runtime.engine.attention.kv_fp8 import is_fp8_cache
 
 try:
     import triton
@@ -175,13 +176,6 @@ if triton is not None:
             tl.atomic_xchg(count, 0)
 
 
-def _fp8_cache(cache: torch.Tensor, kv_scales: torch.Tensor | None) -> bool:
-    fp8 = cache.dtype == torch.float8_e4m3fn
-    if fp8 and kv_scales is None:
-        raise ValueError("an FP8 KV cache needs its layer's kv_scales")
-    return fp8
-
-
 def supports(head_dim: int) -> bool:
     return triton is not None and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
@@ -219,7 +213,7 @@ def split_decode(
     block = block_tokens(group, dim)
     warps = 4 if group * dim <= 512 else 8
     counters = workspace[workspace.numel() - batch * kv_heads:].view(torch.int32)
-    fp8 = _fp8_cache(cache, kv_scales)
+    fp8 = is_fp8_cache(cache, kv_scales)
     _split_attend[(batch, kv_heads, splits)](
         q, q.stride(0), kv, kv.stride(0), positions, rows, out_loc, cos_sin, page_table, page_table.stride(0),
         cache, cache.stride(0), kv_scales if fp8 else workspace, workspace, counters, out, LOG2E / math.sqrt(dim),
