@@ -99,9 +99,13 @@ TUNED_TILES: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
 }
 
 
-def tile(n: int, k: int, silu: bool) -> tuple[int, int, int, int]:
+# The same for FP8 weights (scripts/bench_gemv.py --fp8 --sweep): a block of e4m3 holds half the bytes.
+TUNED_FP8_TILES: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {}
+
+
+def tile(n: int, k: int, silu: bool, fp8: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages); short reductions fit one block, read before ``gdc_wait``."""
-    tuned = TUNED_TILES.get((n, k, silu))
+    tuned = (TUNED_FP8_TILES if fp8 else TUNED_TILES).get((n, k, silu))
     if tuned:
         return tuned
     if silu:
@@ -118,7 +122,7 @@ def _launch(
     rows, k = x.shape
     if rows != 1:
         raise ValueError(f"the fused GEMV takes one row, got {rows}")
-    block_n, block_k, warps, stages = tile(n, k, silu)
+    block_n, block_k, warps, stages = tile(n, k, silu, scale is not None)
     pdl = use_pdl(x.device.index or 0)
     _row_gemv[(triton.cdiv(n, block_n),)](
         x, weight, scale if scale is not None else weight, bias if bias is not None else weight,

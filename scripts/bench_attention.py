@@ -1,10 +1,11 @@
 """Micro-benchmark of paged decode attention kernels in our cache layout, inside CUDA graphs.
 
     python scripts/bench_attention.py [--batch 256] [--kv-min 200 --kv-max 2000] [--page-size 16]
-        [--heads 32 --kv-heads 8 --head-dim 64] [--impls cuda,tc_fa2,tc_fa3,xqa] [--layouts NHD,HND]
+        [--heads 32 --kv-heads 8 --head-dim 64] [--impls cuda,tc_fa2,tc_fa3,xqa] [--layouts NHD,HND] [--fp8]
 
 Outputs are checked against the first implementation's. Only ``+rope`` entries (with our RoPE + KV-store kernel)
-compare with ``triton`` and ``paged``, which include those steps.
+compare with ``triton`` and ``paged``, which include those steps. ``paged_b<tokens>_w<warps>_s<stages>`` runs
+paged_decode with those launch settings. ``--fp8`` stores the cache in e4m3 (paged only; GB/s counts 1 byte).
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ def make_cache(a: argparse.Namespace, layout: str, dev: torch.device) -> dict:
     if layout == "HND":
         shape = (total + 1, a.kv_heads, a.page_size, a.head_dim)
     kv = torch.randn((2, *shape), dtype=torch.bfloat16, device=dev)
+    kv_scales = None
+    if a.fp8:  # the cache holds K / k_scale: scales that put randn's range well inside e4m3's
+        kv_scales = torch.tensor([0.02, 0.03], device=dev)
+        kv = (kv.float() / kv_scales.view(2, 1, 1, 1, 1)).to(torch.float8_e4m3fn)
     k, v = kv[0], kv[1]
     indices = (torch.randperm(total, device=dev) + 1).int()
     indptr = torch.cat((torch.zeros(1, dtype=torch.int32), pages_per.cumsum(0).int()))
@@ -42,8 +47,9 @@ def make_cache(a: argparse.Namespace, layout: str, dev: torch.device) -> dict:
     last_page = table[torch.arange(a.batch, device=dev), positions // a.page_size].long()
     qkv = torch.randn(a.batch, (a.heads + 2 * a.kv_heads) * a.head_dim, dtype=torch.bfloat16, device=dev)
     return dict(
-        kv=kv, qkv=qkv, positions=positions, out_loc=last_page * a.page_size + positions % a.page_size,
-        k=k, v=v, lens=lens, indptr=indptr, indices=indices, table=table, max_len=int(lens.max()),
+        kv=kv, kv_scales=kv_scales, qkv=qkv, positions=positions,
+        out_loc=last_page * a.page_size + positions % a.page_size, k=k, v=v, lens=lens, indptr=indptr,
+        indices=indices, table=table, max_len=int(lens.max()),
         last=(lens - (pages_per - 1) * a.page_size).int(),
         q=torch.randn(a.batch, a.heads, a.head_dim, dtype=torch.bfloat16, device=dev),
     )
@@ -89,9 +95,14 @@ def triton_impl(a: argparse.Namespace, c: dict, splits: int | None) -> Callable:
                                    splits).view(a.batch, a.heads, a.head_dim)
 
 
-def paged_impl(a: argparse.Namespace, c: dict) -> Callable:
-    """paged_decode.py with the engine's chunk rule (comparable with the ``+rope`` entries)."""
+def paged_impl(a: argparse.Namespace, c: dict, settings: str = "") -> Callable:
+    """paged_decode.py with the engine's chunk rule (comparable with the ``+rope`` entries); ``settings``:
+    ``b<tokens>_w<warps>_s<stages>`` (any subset) instead of the module's."""
     from runtime.engine.attention import paged_decode as pd
+
+    block = pd.FP8_BLOCK_TOKENS if a.fp8 else pd.BLOCK_TOKENS
+    chosen = {"b": block, "w": pd.NUM_WARPS, "s": pd.NUM_STAGES}
+    chosen.update({part[0]: int(part[1:]) for part in settings.split("_") if part})
 
     dev = c["q"].device
     q, kv = qkv_views(a, c["qkv"])
@@ -103,8 +114,19 @@ def paged_impl(a: argparse.Namespace, c: dict) -> Callable:
                             device=dev)
     counters = pd.new_counters(a.batch, a.kv_heads, dev)
     rows = torch.arange(a.batch, device=dev)
-    return lambda: pd.paged_decode(q, kv, c["positions"], rows, c["out_loc"], cos_sin, c["table"], c["kv"], workspace,
-                                   counters, chunk, chunks).view(a.batch, a.heads, a.head_dim)
+
+    def run() -> torch.Tensor:
+        saved = pd.BLOCK_TOKENS, pd.FP8_BLOCK_TOKENS, pd.NUM_WARPS, pd.NUM_STAGES
+        pd.BLOCK_TOKENS = pd.FP8_BLOCK_TOKENS = chosen["b"]
+        pd.NUM_WARPS, pd.NUM_STAGES = chosen["w"], chosen["s"]
+        try:
+            out = pd.paged_decode(q, kv, c["positions"], rows, c["out_loc"], cos_sin, c["table"], c["kv"], workspace,
+                                  counters, chunk, chunks, c["kv_scales"])
+        finally:
+            pd.BLOCK_TOKENS, pd.FP8_BLOCK_TOKENS, pd.NUM_WARPS, pd.NUM_STAGES = saved
+        return out.view(a.batch, a.heads, a.head_dim)
+
+    return run
 
 
 def wrapper_impl(
@@ -147,8 +169,8 @@ def xqa_impl(a: argparse.Namespace, c: dict, layout: str) -> Callable:
 def build(a: argparse.Namespace, impl: str, c: dict, layout: str) -> Callable:
     rope = impl.endswith("+rope")
     impl = impl.removesuffix("+rope")
-    if impl == "paged":
-        return paged_impl(a, c)
+    if impl == "paged" or impl.startswith("paged_"):
+        return paged_impl(a, c, impl[6:])
     if impl == "triton" or impl.startswith("triton_s"):
         return triton_impl(a, c, int(impl[8:]) if impl.startswith("triton_s") else None)
     if impl == "cuda":
@@ -160,7 +182,7 @@ def build(a: argparse.Namespace, impl: str, c: dict, layout: str) -> Callable:
     if impl == "xqa":
         return xqa_impl(a, c, layout)
     raise ValueError(f"unknown --impls entry {impl!r} (cuda, tc_fa2, tc_fa3, tc_auto, tc_fa2_nosplit, tc_fa2_split<N>, xqa, "
-                     "with +rope; triton, triton_s<N>; paged)")
+                     "with +rope; triton, triton_s<N>; paged, paged_b<N>_w<N>_s<N>)")
 
 
 def time_graph(fn: Callable) -> tuple[float, torch.Tensor]:
@@ -191,12 +213,13 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--impls", default="cuda,tc_fa2,tc_fa3,xqa")
     p.add_argument("--layouts", default="NHD,HND")
+    p.add_argument("--fp8", action="store_true", help="an e4m3 cache (paged_decode only)")
     a = p.parse_args()
     dev = torch.device("cuda")
     print(f"batch {a.batch}, kv {a.kv_min}-{a.kv_max}, page {a.page_size}, heads {a.heads}/{a.kv_heads}x{a.head_dim}")
     for layout in a.layouts.split(","):
         c = make_cache(a, layout, dev)
-        kv_bytes = 2 * int(c["lens"].sum()) * a.kv_heads * a.head_dim * 2
+        kv_bytes = 2 * int(c["lens"].sum()) * a.kv_heads * a.head_dim * c["kv"].element_size()
         reference = None
         for impl in a.impls.split(","):
             try:

@@ -1,8 +1,9 @@
 """Micro-benchmark: a decoder layer's weight passes for one token, unfused against fused, in CUDA graphs.
 
-    python scripts/bench_gemv.py [--shapes 1B,8B,SmolLM2] [--sweep]
+    python scripts/bench_gemv.py [--shapes 1B,8B,SmolLM2] [--sweep] [--fp8]
 
-The stack is deep enough that L2 never serves the weights; ``--sweep`` varies one kernel's tile at a time.
+The stack is deep enough that L2 never serves the weights; ``--sweep`` varies one kernel's tile at a time;
+``--fp8`` times e4m3 weights with a scale per row (the fused kernels only).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from models import fp8 as fp8_ops  # noqa: E402
 from models import gemv  # noqa: E402
 
 SHAPES = {  # hidden, q + k + v features, intermediate
@@ -41,18 +43,33 @@ def replay_us(fn: Callable[[], None], repeats: int = 20) -> float:
     return (time.perf_counter() - start) / repeats * 1e6
 
 
-def make_layers(hidden: int, qkv: int, inter: int, count: int = 0) -> list[dict[str, torch.Tensor]]:
-    """``count`` layers of random weights; by default enough that the stack outgrows L2."""
+LINEARS = ("qkv", "o", "gate_up", "down")
+
+
+def make_layers(hidden: int, qkv: int, inter: int, count: int = 0, fp8: bool = False) -> list[dict[str, torch.Tensor]]:
+    """``count`` layers of random weights; by default enough that the stack outgrows L2. With ``fp8`` each
+    linear's weight is e4m3 with its per-row scale under ``<name>_scale``."""
     dev, dt = torch.device("cuda"), torch.bfloat16
-    per_layer = 2 * hidden * (qkv + hidden + 3 * inter)
+    per_layer = layer_bytes(hidden, qkv, inter, fp8)
     count = count or max(4, min(64, int(1e9 // per_layer) + 1))
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=dev, dtype=dt) * 0.02
 
-    return [{"qkv": rand(qkv, hidden), "o": rand(hidden, hidden), "gate_up": rand(2 * inter, hidden),
-             "down": rand(hidden, inter), "n1": torch.rand(hidden, device=dev, dtype=dt) + 0.5,
-             "n2": torch.rand(hidden, device=dev, dtype=dt) + 0.5} for _ in range(count)]
+    def layer() -> dict[str, torch.Tensor]:
+        weights = {"qkv": rand(qkv, hidden), "o": rand(hidden, hidden), "gate_up": rand(2 * inter, hidden),
+                   "down": rand(hidden, inter), "n1": torch.rand(hidden, device=dev, dtype=dt) + 0.5,
+                   "n2": torch.rand(hidden, device=dev, dtype=dt) + 0.5}
+        if fp8:
+            for name in LINEARS:
+                weights[name], weights[f"{name}_scale"] = fp8_ops.quantize_rows(weights[name])
+        return weights
+
+    return [layer() for _ in range(count)]
+
+
+def layer_bytes(hidden: int, qkv: int, inter: int, fp8: bool) -> int:
+    return (1 if fp8 else 2) * hidden * (qkv + hidden + 3 * inter)
 
 
 def unfused_stack(layers: list[dict], h: torch.Tensor, attn: torch.Tensor) -> Callable[[], None]:
@@ -74,9 +91,10 @@ def fused_stack(layers: list[dict], h: torch.Tensor, attn: torch.Tensor) -> Call
     def run() -> None:
         x = h.clone()
         for w in layers:
-            gemv.norm_linear(x, w["n1"], 1e-5, w["qkv"], None)
-            gemv.linear_add_(attn, w["o"], None, x)
-            gemv.linear_add_(gemv.norm_linear_silu(x, w["n2"], 1e-5, w["gate_up"], None), w["down"], None, x)
+            gemv.norm_linear(x, w["n1"], 1e-5, w["qkv"], None, w.get("qkv_scale"))
+            gemv.linear_add_(attn, w["o"], None, x, w.get("o_scale"))
+            act = gemv.norm_linear_silu(x, w["n2"], 1e-5, w["gate_up"], None, w.get("gate_up_scale"))
+            gemv.linear_add_(act, w["down"], None, x, w.get("down_scale"))
 
     return run
 
@@ -92,27 +110,28 @@ def kernel_keys(hidden: int, qkv: int, inter: int) -> dict[str, KernelKey]:
 
 def candidate_tiles(n: int, k: int, silu: bool) -> list[Tile]:
     tiles = []
-    for bn, bk, warps, stages in itertools.product([1, 2, 4, 8, 16], [256, 512, 1024, 2048], [2, 4, 8], [2, 3, 4, 6]):
+    for bn, bk, warps, stages in itertools.product([1, 2, 4, 8, 16], [256, 512, 1024, 2048, 4096], [2, 4, 8],
+                                                   [2, 3, 4, 6]):
         per_thread = bn * (2 if silu else 1) * bk / (32 * warps)
         if bk <= k and (k > bk or stages == 2) and 8 <= per_thread <= 64 and n // bn >= 128:
             tiles.append((bn, bk, warps, stages))
     return tiles
 
 
-def patched_tile(overrides: dict[KernelKey, Tile]) -> Callable[[int, int, bool], Tile]:
+def patched_tile(overrides: dict[KernelKey, Tile]) -> Callable[[int, int, bool, bool], Tile]:
     default = gemv.tile
 
-    def tile(n: int, k: int, silu: bool) -> Tile:
-        return overrides.get((n, k, silu)) or default(n, k, silu)
+    def tile(n: int, k: int, silu: bool, fp8: bool = False) -> Tile:
+        return overrides.get((n, k, silu)) or default(n, k, silu, fp8)
 
     return tile
 
 
-def _precompile(shape: tuple[int, int, int], work: list[tuple[str, Tile]]) -> None:
+def _precompile(shape: tuple[int, int, int], work: list[tuple[str, Tile]], fp8: bool) -> None:
     """Worker: run each (kernel, tile) once so that Triton's on-disk cache holds it for the parent."""
     hidden, qkv, inter = shape
     keys = kernel_keys(hidden, qkv, inter)
-    layer = make_layers(hidden, qkv, inter, count=1)[0]
+    layer = make_layers(hidden, qkv, inter, count=1, fp8=fp8)[0]
     h = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
     act = torch.randn(1, inter, device="cuda", dtype=torch.bfloat16)
     calls = kernel_calls(h, act, hidden)
@@ -126,15 +145,15 @@ def _precompile(shape: tuple[int, int, int], work: list[tuple[str, Tile]]) -> No
 
 def kernel_calls(h: torch.Tensor, act: torch.Tensor, hidden: int) -> dict[str, Callable[[dict], object]]:
     return {
-        "qkv": lambda w: gemv.norm_linear(h, w["n1"], 1e-5, w["qkv"], None),
-        "o": lambda w: gemv.linear_add_(h[:, :hidden], w["o"], None, h),
-        "gate_up": lambda w: gemv.norm_linear_silu(h, w["n2"], 1e-5, w["gate_up"], None),
-        "down": lambda w: gemv.linear_add_(act, w["down"], None, h),
+        "qkv": lambda w: gemv.norm_linear(h, w["n1"], 1e-5, w["qkv"], None, w.get("qkv_scale")),
+        "o": lambda w: gemv.linear_add_(h[:, :hidden], w["o"], None, h, w.get("o_scale")),
+        "gate_up": lambda w: gemv.norm_linear_silu(h, w["n2"], 1e-5, w["gate_up"], None, w.get("gate_up_scale")),
+        "down": lambda w: gemv.linear_add_(act, w["down"], None, h, w.get("down_scale")),
     }
 
 
 def sweep(layers: list[dict], hidden: int, qkv: int, inter: int, workers: int,
-          record: dict | None = None) -> dict[str, Tile]:
+          record: dict | None = None, fp8: bool = False) -> dict[str, Tile]:
     """The best tile per kernel, swept inside the whole stack so the dependent-launch overlap is what a step sees."""
     import multiprocessing
 
@@ -142,7 +161,7 @@ def sweep(layers: list[dict], hidden: int, qkv: int, inter: int, workers: int,
     work = [(name, t) for name, key in keys.items() for t in candidate_tiles(*key)]
     started = time.perf_counter()
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        pool.starmap(_precompile, [((hidden, qkv, inter), work[i::workers]) for i in range(workers)])
+        pool.starmap(_precompile, [((hidden, qkv, inter), work[i::workers], fp8) for i in range(workers)])
     print(f"  compiled {len(work)} tiles in {time.perf_counter() - started:.0f} s", flush=True)
     h = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
     attn = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
@@ -161,12 +180,12 @@ def sweep(layers: list[dict], hidden: int, qkv: int, inter: int, workers: int,
     for name, key in keys.items():
         results = sorted((stack_us({key: t}), t) for t in candidate_tiles(*key))
         if record is not None:
-            record[name] = {"default": default_tile(*key), "stack_us": base, "tiles": results}
+            record[name] = {"default": default_tile(*key, fp8), "stack_us": base, "tiles": results}
         # Re-time the leaders: one replay loop can catch a slow moment.
         leaders = sorted((min(stack_us({key: t}) for _ in range(3)), t) for _, t in results[:6])
         best[name] = leaders[0][1]
         top = ", ".join(f"{t} {us:.2f}" for us, t in leaders[:4])
-        print(f"  sweep {name:8}: default {default_tile(*key)} stack {base:.2f} us/layer | best {top}", flush=True)
+        print(f"  sweep {name:8}: default {default_tile(*key, fp8)} stack {base:.2f} us/layer | best {top}", flush=True)
     overrides = {keys[name]: t for name, t in best.items()}
     print(f"  all four best tiles: {min(stack_us(overrides) for _ in range(3)):.2f} against {base:.2f} us/layer "
           f"(defaults) | {best}", flush=True)
@@ -179,16 +198,23 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--workers", type=int, default=12, help="processes compiling the swept tiles")
     parser.add_argument("--sweep-json", default=None, help="write every swept tile's time here")
+    parser.add_argument("--fp8", action="store_true", help="e4m3 weights, fused kernels only")
     args = parser.parse_args()
     record: dict[str, dict] = {}
     for shape in args.shapes.split(","):
         hidden, qkv, inter = SHAPES[shape]
-        layers = make_layers(hidden, qkv, inter)
-        layer_kb = 2 * hidden * (qkv + hidden + 3 * inter) / 1e3
+        layers = make_layers(hidden, qkv, inter, fp8=args.fp8)
+        layer_kb = layer_bytes(hidden, qkv, inter, args.fp8) / 1e3
         h = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
         attn = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
         if args.sweep:
-            sweep(layers, hidden, qkv, inter, args.workers, record.setdefault(shape, {}))
+            sweep(layers, hidden, qkv, inter, args.workers, record.setdefault(shape, {}), args.fp8)
+        if args.fp8:
+            fused = replay_us(fused_stack(layers, h, attn)) / len(layers)
+            print(f"{shape:8}: fused FP8 {fused:7.2f} us/layer {layer_kb / fused:5.0f} GB/s  [{len(layers)} layers]",
+                  flush=True)
+            del layers
+            continue
         unfused = replay_us(unfused_stack(layers, h, attn)) / len(layers)
         fused = replay_us(fused_stack(layers, h, attn)) / len(layers)
         use_pdl = gemv.use_pdl

@@ -18,6 +18,9 @@ except ImportError:  # CPU-only installs never reach the flashinfer backend
     triton = None
 
 BLOCK_TOKENS = 64
+# An e4m3 tile of 128 tokens holds the bytes of a 64-token bf16 one: with 64 the FP8 kernel kept too few bytes in
+# flight (scripts/bench_attention.py --fp8).
+FP8_BLOCK_TOKENS = 128
 
 if triton is not None:
     from runtime.engine.attention.kv_fp8 import load_scales, to_cache
@@ -200,7 +203,7 @@ def paged_decode(
         LOG2E / math.sqrt(dim),
         HQ=heads, HKV=kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group), D=dim,
         QROWS=max(16, triton.next_power_of_2(group)), PAGE=cache.shape[2], CHUNK=chunk, CHUNKS_P2=chunks,
-        BLOCK_N=BLOCK_TOKENS, KV_FP8=fp8, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=warps, num_stages=stages,
+        BLOCK_N=FP8_BLOCK_TOKENS if fp8 else BLOCK_TOKENS, KV_FP8=fp8,
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, num_stages=stages,
     )
     return out
