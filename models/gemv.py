@@ -100,7 +100,10 @@ TUNED_TILES: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
 
 
 # The same for FP8 weights (scripts/bench_gemv.py --fp8 --sweep): a block of e4m3 holds half the bytes.
-TUNED_FP8_TILES: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {}
+TUNED_FP8_TILES: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
+    (6144, 4096, False): (8, 512, 2, 4), (4096, 4096, False): (8, 1024, 4, 6),  # qkv, o
+    (14336, 4096, True): (8, 256, 2, 2), (4096, 14336, False): (4, 1024, 2, 2),  # gate_up, down
+}
 
 
 def tile(n: int, k: int, silu: bool, fp8: bool = False) -> tuple[int, int, int, int]:
