@@ -1,14 +1,15 @@
 """How far a quantised model is from the same weights unquantised: teacher-forced on the same text, and greedy.
 
     python scripts/eval_quantization.py [--model default] [--prompts 200] [--variants weights,kv,both]
-        [--out benchmarks/fp8-quality.json] [key=value ...]
+        [--prompt-tokenizer MODEL] [--out benchmarks/fp8-quality.json] [key=value ...]
 
 Variants: FP8 weights (model.quantization=fp8), an FP8 KV cache (cache.dtype=fp8_e4m3), and both.
 
 The text is the unquantised model's own greedy replies to 200 chat prompts (no dataset is downloaded). Both
 models read prompt + reply (prompt logprobs, fresh models so no prefix is cached); per reply token we compare
 the top-1 prediction and the token's log-likelihood. Then the quantised model answers the same prompts
-greedily: where does it first differ?
+greedily: where does it first differ? A model without a tokenizer (random benchmark weights) reads the prompts
+as ``--prompt-tokenizer``'s chat template encodes them (default: the embedded model's).
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ def teacher_forced(model: str, overrides: list[str], seqs: list[list[int]]) -> l
     return [o.prompt_logprobs for o in outs]
 
 
+def encode(model: str, conversations: list, overrides: list[str]) -> list[list[int]]:
+    llm = LLM(model, overrides=overrides)
+    ids = [llm.encode(c) for c in conversations]
+    llm.shutdown()
+    return ids
+
+
 VARIANTS = {
     "weights": ["model.quantization=fp8"],
     "kv": ["cache.dtype=fp8_e4m3"],
@@ -51,7 +59,7 @@ VARIANTS = {
 }
 
 
-def compare(model: str, overrides: list[str], conversations: list, prompt_ids: list[list[int]], replies: list,
+def compare(model: str, overrides: list[str], prompt_ids: list[list[int]], replies: list,
             seqs: list[list[int]], ref: list[list[dict]], greedy: SamplingParams) -> dict:
     """Teacher-forced agreement on the reference replies (``seqs``: prompt + reply), then where the variant's own
     greedy replies differ."""
@@ -62,7 +70,7 @@ def compare(model: str, overrides: list[str], conversations: list, prompt_ids: l
             agree.append(x["top"][0][0] == y["top"][0][0])
             nll_change.append(x["logprob"] - y["logprob"])
     quant = LLM(model, overrides=overrides)
-    generated = quant.chat(conversations, greedy)
+    generated = quant.generate(prompt_ids, greedy)
     quant.shutdown()
     first_diff = []
     for r, g in zip(replies, generated):
@@ -84,6 +92,8 @@ def main() -> int:
     parser.add_argument("--variants", default="weights,kv,both", help=f"comma-separated, of {list(VARIANTS)}")
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokenizer", default=None,
+                        help="model whose chat template encodes the prompts (default: --model's own)")
     parser.add_argument("--out", default=None)
     parser.add_argument("overrides", nargs="*", help="config overrides for both models, e.g. engine.device=cpu")
     args = parser.parse_args()
@@ -94,17 +104,19 @@ def main() -> int:
     greedy = SamplingParams(temperature=0, max_new_tokens=args.new_tokens)
     conversations = chat_prompts(args.prompts)
     base_overrides = ["model.quantization=none", *args.overrides]
+    prompt_ids = encode(args.prompt_tokenizer, conversations, args.overrides) if args.prompt_tokenizer else None
     base = LLM(args.model, overrides=base_overrides)
-    replies = base.chat(conversations, greedy)
-    prompt_ids = [base.encode(c) for c in conversations]
+    prompt_ids = prompt_ids or [base.encode(c) for c in conversations]
+    replies = base.generate(prompt_ids, greedy)
     base.shutdown()
+    del base  # its memory goes before the next model loads
     seqs = [p + r.token_ids for p, r in zip(prompt_ids, replies)]
     ref = teacher_forced(args.model, base_overrides, seqs)
     result = {
-        "model": args.model, "prompts": len(conversations), "reply_tokens": sum(len(r.token_ids) for r in replies),
+        "model": args.model, "prompt_tokenizer": args.prompt_tokenizer or args.model, "prompts": len(conversations), "reply_tokens": sum(len(r.token_ids) for r in replies),
         "command": " ".join(sys.argv),
-        "variants": {v: compare(args.model, [*base_overrides, *VARIANTS[v]], conversations, prompt_ids, replies,
-                                seqs, ref, greedy) for v in variants},
+        "variants": {v: compare(args.model, [*base_overrides, *VARIANTS[v]], prompt_ids, replies, seqs, ref, greedy)
+                     for v in variants},
     }
     print(json.dumps(result, indent=2))
     if args.out:

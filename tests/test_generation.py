@@ -171,3 +171,19 @@ def test_launch_job_mode_writes_one_row_per_input(default_model_dir, tmp_path):
     metrics = json.loads(out.with_suffix(".metrics.json").read_text())
     assert metrics["completed"] == 2 and metrics["errors"] == 2 and metrics["rows"] == 4
     assert "page_size: 16" in out.with_suffix(".config.yaml").read_text()
+
+
+def test_a_shut_down_llm_is_freed_once_dropped(default_model_dir):
+    """The step loop's frozen GC must not pin an engine for good: sweeps load model after model in one process."""
+    import gc
+    import weakref
+
+    first = LLM(str(default_model_dir), overrides=["engine.device=cpu"])
+    # A parameter and its layer form a cycle (the parameter's weight_loader is the layer's bound method).
+    engine, weights = weakref.ref(first.engine), weakref.ref(next(first.engine.model.parameters()))
+    first.shutdown()
+    del first
+    second = LLM(str(default_model_dir), overrides=["engine.device=cpu"])  # freezes what is alive, after a collect
+    gc.collect()
+    assert engine() is None and weights() is None
+    second.shutdown()

@@ -34,6 +34,7 @@ GC_YOUNG_THRESHOLD = 50_000
 def quiet_garbage_collector() -> None:
     """Keep Python's cyclic GC off the step loop: finished requests pile up small containers that the
     default thresholds rescan so often the host falls behind the GPU."""
+    gc.collect()  # engines shut down earlier (unfrozen then) are freed, not frozen for good
     gc.freeze()
     # Frozen objects are never collected, so nanobind would report leaks at exit: unfreeze first.
     atexit.unregister(gc.unfreeze)
@@ -268,3 +269,4 @@ class LLM:
                 send_batch(None, stop=True)
         finally:
             self.engine.close()
+            gc.unfreeze()  # frozen objects are never collected: without this a dropped LLM keeps its memory
