@@ -6,7 +6,6 @@ import functools
 
 import torch
 
-from models import fp8
 from models.gemv import use_pdl
 
 try:
@@ -19,12 +18,9 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm(
-        x_ptr, res_ptr, w_ptr, q_ptr, scale_ptr, rows, x_stride, res_stride, eps, H: tl.constexpr,
-        BLOCK_H: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr, QUANT: tl.constexpr,
-        FP8_MAX: tl.constexpr, TINY: tl.constexpr,
+        x_ptr, res_ptr, w_ptr, rows, x_stride, res_stride, eps, H: tl.constexpr, BLOCK_H: tl.constexpr,
+        ROWS: tl.constexpr, PDL: tl.constexpr,
     ):
-        """``QUANT``: the normed rows go to ``q_ptr`` in e4m3 with a scale per row (``fp8.quantize_rows`` of what
-        would be stored in x, bit for bit) instead of to x."""
         row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         col = tl.arange(0, BLOCK_H)
         col_ok = col < H
@@ -42,14 +38,7 @@ if triton is not None:
         tl.store(res_at, s, mask=ok)
         s = s.to(tl.float32)
         normed = s * tl.rsqrt(tl.sum(s * s, axis=1) / H + eps)[:, None]
-        y = (normed.to(dtype).to(tl.float32) * w.to(tl.float32)[None, :]).to(dtype)
-        if QUANT:
-            y = tl.where(ok, y.to(tl.float32), 0.0)
-            scale = fp8.row_scale(tl.max(tl.abs(y), axis=1), FP8_MAX, TINY)
-            tl.store(scale_ptr + row, scale[:, None], mask=(row < rows))
-            tl.store(q_ptr + row * H + col[None, :], fp8.to_e4m3(y, scale[:, None], FP8_MAX), mask=ok)
-        else:
-            tl.store(x_at, y, mask=ok)
+        tl.store(x_at, (normed.to(dtype).to(tl.float32) * w.to(tl.float32)[None, :]).to(dtype), mask=ok)
 
 
 # Patchable so that benchmarks can compare this kernel with flashinfer's.
@@ -67,29 +56,11 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place, as flashinfer's: ``residual <- x + residual``, ``x <- rmsnorm(residual) * weight``."""
-    _launch(x, residual, weight, eps, None)
-    return x, residual
-
-
-def add_rms_norm_fp8(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[fp8.Fp8Rows, torch.Tensor]:
-    """``add_rms_norm`` whose normed rows come quantised for an FP8 GEMM (x is left as it was)."""
-    rows, hidden = x.shape
-    out = fp8.Fp8Rows(torch.empty(rows, hidden, dtype=fp8.FP8, device=x.device),
-                      torch.empty(rows, dtype=torch.float32, device=x.device), x.dtype)
-    _launch(x, residual, weight, eps, out)
-    return out, residual
-
-
-def _launch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-            quantized: fp8.Fp8Rows | None) -> None:
     rows, hidden = x.shape
     per_program, block, warps = launch_shape(rows, hidden)
     pdl = use_pdl(x.device.index or 0)
-    q, scale = (x, x) if quantized is None else quantized[:2]  # unread unless QUANT
     _add_rms_norm[(triton.cdiv(rows, per_program),)](
-        x, residual, weight, q, scale, rows, x.stride(0), residual.stride(0), eps, H=hidden, BLOCK_H=block,
-        ROWS=per_program, PDL=pdl, QUANT=quantized is not None, FP8_MAX=fp8.FP8_MAX, TINY=fp8.TINY,
-        launch_pdl=pdl, num_warps=warps,
+        x, residual, weight, rows, x.stride(0), residual.stride(0), eps, H=hidden, BLOCK_H=block,
+        ROWS=per_program, PDL=pdl, launch_pdl=pdl, num_warps=warps,
     )
+    return x, residual

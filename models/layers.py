@@ -301,19 +301,15 @@ class RowParallelLinear(_Linear):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm that can also add the residual first: ``(norm(x + r), x + r)``; ``quantized``: the normed rows
-    feed only FP8 GEMMs, so a kernel that has the row in registers quantises it too (``fp8.Fp8Rows``)."""
+    """RMSNorm that can also add the residual first: ``(norm(x + r), x + r)``."""
 
-    def __init__(self, dim: int, eps: float, kernels: Kernels = TORCH_KERNELS, quantized: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, kernels: Kernels = TORCH_KERNELS) -> None:
         super().__init__()
         self.eps = eps
         self.weight = new_param(dim, loader=load_replicated)
         self.norm, self.add_norm = kernels.rms_norm, kernels.add_rms_norm
-        if quantized and kernels.add_rms_norm_fp8 is not None:
-            self.add_norm = kernels.add_rms_norm_fp8
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor | fp8.Fp8Rows, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             return self.norm(x, self.weight, self.eps), x
         return self.add_norm(x, residual, self.weight, self.eps)

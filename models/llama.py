@@ -20,7 +20,6 @@ from models.layers import (
 )
 from models.moe import SparseMoE
 from models.ops import TORCH_KERNELS, Kernels
-from parallel import get_tp
 
 
 class LlamaAttention(nn.Module):
@@ -68,9 +67,6 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: Kernels) -> None:
         super().__init__()
         self.silu_and_mul = kernels.silu_and_mul
-        # down_proj's rows quantised as they are made; at TP > 1 each token's scale needs its whole row first.
-        if cfg.fp8 and kernels.silu_and_mul_fp8 is not None and get_tp().size == 1:
-            self.silu_and_mul = kernels.silu_and_mul_fp8
         size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], cfg.mlp_bias, kernels.linear,
                                                        cfg.fp8)
@@ -84,12 +80,9 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, kernels: Kernels) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, kernels)
-        sparse = cfg.is_sparse(layer_id)
-        self.mlp = SparseMoE(cfg, kernels) if sparse else LlamaMLP(cfg, kernels)
-        # With FP8 weights the normed rows feed FP8 GEMMs only (a sparse layer's also feed its router).
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels, quantized=cfg.fp8)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels,
-                                                quantized=cfg.fp8 and not sparse)
+        self.mlp = SparseMoE(cfg, kernels) if cfg.is_sparse(layer_id) else LlamaMLP(cfg, kernels)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor

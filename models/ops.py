@@ -86,9 +86,6 @@ class Kernels:
     linear: Callable[..., torch.Tensor] = F.linear
     fused_gemv: bool = False
     fused_moe: bool = False  # models/fused_moe.py's Triton kernels for the experts (CUDA)
-    # FP8 weights: the norm and SiLU-and-mul that also quantise their output rows for the next GEMM.
-    add_rms_norm_fp8: Callable[..., tuple[Any, torch.Tensor]] | None = None
-    silu_and_mul_fp8: Callable[[torch.Tensor], Any] | None = None
 
 
 TORCH_KERNELS = Kernels(_rms_norm_torch, _add_rms_norm_torch, _silu_and_mul_torch)

@@ -82,42 +82,6 @@ def test_quantize_at_load_stores_each_checkpoint_row_quantised(tiny_llama_dir):
     gc.collect()  # engines hold reference cycles and a CPU KV pool each
 
 
-def test_rows_quantised_by_the_norm_and_silu_give_the_unfused_logits(tiny_llama_dir, monkeypatch):
-    """The path of the GPU's fused kernels (add_norm.add_rms_norm_fp8, fp8.silu_and_mul_rows), with their torch
-    arithmetic: the engine wires them into every FP8 layer, and the logits are the unfused ones, bit for bit."""
-    import dataclasses
-
-    from models import ops
-    from runtime.engine import engine as engine_module
-
-    calls = {"norm": 0, "silu": 0}
-
-    def add_rms_norm_fp8(x, residual, weight, eps):  # noqa: ANN001, ANN202
-        calls["norm"] += 1
-        normed, residual = ops.TORCH_KERNELS.add_rms_norm(x, residual, weight, eps)
-        return fp8.Fp8Rows(*fp8.quantize_rows(normed), normed.dtype), residual
-
-    def silu_and_mul_fp8(x):  # noqa: ANN001, ANN202
-        calls["silu"] += 1
-        return fp8.silu_and_mul_rows(x)
-
-    prompts = [[5, 17, 30, 2, 9, 11, 40], [8, 3]]
-    unfused = prefill_logits(make_engine(tiny_llama_dir, "model.quantization=fp8"), prompts, decode_tail=2)
-    assert calls == {"norm": 0, "silu": 0}
-    monkeypatch.setattr(engine_module, "TORCH_KERNELS", dataclasses.replace(
-        ops.TORCH_KERNELS, add_rms_norm_fp8=add_rms_norm_fp8, silu_and_mul_fp8=silu_and_mul_fp8))
-    engine = make_engine(tiny_llama_dir, "model.quantization=fp8")
-    fused = prefill_logits(engine, prompts, decode_tail=2)
-    layers = len(engine.model.model.layers)
-    # Every layer's MLP, and each norm after the first (the first norm has no residual to add).
-    assert calls["silu"] >= layers and calls["norm"] >= 2 * layers - 1
-    assert len(fused) == len(unfused)
-    for a, b in zip(fused, unfused, strict=True):
-        assert torch.equal(a, b)
-    del engine
-    gc.collect()
-
-
 def fp8_weights_and_logits(rank: int, model_dir: str, prompts: list[list[int]], quantization: str = "fp8") -> dict:
     engine = make_engine(model_dir, f"model.quantization={quantization}", "cache.page_size=4")
     if quantization == "none":

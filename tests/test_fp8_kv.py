@@ -43,22 +43,6 @@ def test_pages_hold_four_times_the_float32_tokens(tiny_llama_dir):
     assert abs(small.num_pages / full.num_pages - 4) < 0.1
 
 
-def test_an_fp8_page_holds_v_transposed_and_k_as_it_is():
-    """The layout the decode kernels read (runtime/engine/attention/kv_fp8.py ``v_offset``): K pages
-    ``[page_size, heads, dim]``, V pages ``[heads, dim, page_size]``; widened pages come back in NHD order."""
-    pages, page_size, heads, dim = 3, 4, 2, 8
-    cache = KVCache(1, pages, page_size, heads, dim, fp8.FP8, torch.device("cpu"))
-    kv = torch.randn(pages * page_size, 2, heads, dim)
-    cache.store(0, torch.arange(pages * page_size), kv)
-    encoded = quantize_kv(kv, torch.tensor(1.0)).view(pages, page_size, 2, heads, dim)
-    raw = cache.buffer[0].view(torch.uint8)
-    assert torch.equal(raw[0], encoded[:, :, 0].view(torch.uint8))
-    assert torch.equal(raw[1].reshape(pages, heads, dim, page_size), encoded[:, :, 1].permute(0, 2, 3, 1).view(torch.uint8))
-    k, v = cache.widened_pages(0, torch.tensor([2, 0]), torch.float32)
-    assert k.is_contiguous() and v.is_contiguous()
-    assert torch.equal(v, encoded[[2, 0], :, 1].float()) and torch.equal(k, encoded[[2, 0], :, 0].float())
-
-
 def test_prefill_chunked_prefill_and_decode_read_the_same_cache(tiny_llama_dir):
     """With an FP8 cache every path attends over the e4m3 values (a prompt's own tokens too), so one prefill,
     7-token chunks and 5 decode steps give the same logits; and these stay close to the float32 cache's."""

@@ -108,9 +108,6 @@ class Engine:
         triton_gpu = use_fi and gemv.supported(self.device)
         if triton_gpu and add_norm.PREFERRED:
             kernels = dataclasses.replace(kernels, add_rms_norm=add_norm.add_rms_norm)
-            if model_config.fp8:
-                kernels = dataclasses.replace(kernels, add_rms_norm_fp8=add_norm.add_rms_norm_fp8,
-                                              silu_and_mul_fp8=fp8.silu_and_mul_rows)
         # The fused single-token layers pay only inside CUDA graphs (Triton's eager launch overhead).
         fused = cfg.engine.fused_gemv != "never" and not cfg.engine.deterministic
         if fused and triton_gpu and self.tp_size == 1 and cfg.engine.cuda_graph_max_bs > 0:

@@ -26,9 +26,7 @@ class KVCache:
     """One tensor ``[layers, 2, pages, page_size, kv_heads, head_dim]`` (flashinfer's NHD layout per layer).
 
     In FP8 (``dtype`` e4m3) each layer's K and V carry one float32 scale each, ``scales[layer] = (k, v)``:
-    the cache holds ``K / k_scale``; readers fold the scales into the softmax scale and the output. An FP8
-    page also holds its V transposed, ``[kv_heads, head_dim, page_size]``: the decode kernels' P @ V then reads
-    V along the tokens, the order an 8-bit tensor-core operand must have (``plane`` gives the NHD view)."""
+    the cache holds ``K / k_scale``; readers fold the scales into the softmax scale and the output."""
 
     def __init__(
         self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -40,41 +38,24 @@ class KVCache:
         self.buffer = torch.zeros(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.scales = torch.ones(num_layers, 2, dtype=torch.float32, device=device)
 
-    def plane(self, layer: int, plane: int) -> torch.Tensor:
-        """K (plane 0) or V (plane 1) as ``[pages, page_size, kv_heads, head_dim]``, values as stored; a view
-        (strided for an FP8 cache's V)."""
-        values = self.buffer[layer, plane]
-        if plane == 0 or not self.fp8:
-            return values
-        pages, page, heads, dim = values.shape
-        return values.view(pages, heads, dim, page).permute(0, 3, 1, 2)
-
     def k(self, layer: int) -> torch.Tensor:
-        return self.plane(layer, 0)
+        return self.buffer[layer, 0]
 
     def v(self, layer: int) -> torch.Tensor:
-        return self.plane(layer, 1)
+        return self.buffer[layer, 1]
 
     def store(self, layer: int, out_loc: torch.Tensor, kv: torch.Tensor) -> None:
-        """Write this step's K and V (``[tokens, 2, kv_heads, head_dim]``) at flat slot indices."""
+        """Write this step's K and V at flat slot indices in one indexed copy."""
+        heads, dim = kv.shape[-2:]
+        kv = kv.transpose(0, 1)
         if self.fp8:
-            kv = quantize_kv(kv, self.scales[layer].view(1, 2, 1, 1))
-        page, in_page = out_loc // self.page_size, out_loc % self.page_size
-        for plane in (0, 1):
-            self.plane(layer, plane)[page, in_page] = kv[:, plane]
-
-    def stored(self, layer: int, plane: int, slots: torch.Tensor) -> torch.Tensor:
-        """K (plane 0) or V (plane 1) at flat slot indices, ``[*slots.shape, heads, dim]``, as stored."""
-        return self.plane(layer, plane)[slots // self.page_size, slots % self.page_size]
+            kv = quantize_kv(kv, self.scales[layer].view(2, 1, 1, 1))
+        self.buffer[layer].view(2, -1, heads, dim)[:, out_loc] = kv
 
     def read(self, layer: int, plane: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """K (plane 0) or V (plane 1) at flat slot indices, ``[*slots.shape, heads, dim]``, in ``dtype``."""
-        values = self.stored(layer, plane, slots)
+        heads, dim = self.buffer.shape[-2:]
+        values = self.buffer[layer, plane].view(-1, heads, dim)[slots]
         if not self.fp8:
             return values
         return (values.float() * self.scales[layer, plane]).to(dtype)
-
-    def widened_pages(self, layer: int, pages: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantised K and V of ``pages``, each ``[len(pages), page_size, kv_heads, head_dim]`` and dense, in
-        order: what a prefill kernel without an e4m3 variant reads (scales still to apply)."""
-        return tuple(self.plane(layer, plane)[pages].to(dtype).contiguous() for plane in (0, 1))

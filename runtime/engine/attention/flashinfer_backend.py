@@ -166,8 +166,8 @@ class FlashInferBackend:
         rope_and_store(batch.positions, q, kv, cos_sin, self.kv_cache, layer_id, batch.out_loc)
         if self.kv_fp8:
             k_scale, v_scale = self.host_scales[layer_id]
-            staged = self.kv_cache.widened_pages(layer_id, self.staged_pages, self.dtype)
-            return self.active.run(q, staged, k_scale=k_scale, v_scale=v_scale)
+            staged = cache[:, self.staged_pages].to(self.dtype)
+            return self.active.run(q, (staged[0], staged[1]), k_scale=k_scale, v_scale=v_scale)
         return self.active.run(q, (self.kv_cache.k(layer_id), self.kv_cache.v(layer_id)))
 
     def init_graph(self, bs: int, max_pages_per_req: int) -> None:

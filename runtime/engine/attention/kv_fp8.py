@@ -37,15 +37,6 @@ if triton is not None:
         return x.to(cache_ty)
 
     @triton.jit
-    def v_offset(page, in_page, head, dims, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                 FP8: tl.constexpr):
-        """Where V of (page, slot in page, head, dims) sits in its plane: pages are ``[PAGE, HKV, D]``, or
-        ``[HKV, D, PAGE]`` in an FP8 cache (runtime/engine/kv_cache.py); K is always the former."""
-        if FP8:
-            return page * (PAGE * HKV * D) + head * (D * PAGE) + dims * PAGE + in_page
-        return (page * PAGE + in_page) * (HKV * D) + head * D + dims
-
-    @triton.jit
     def load_scales(scale_ptr, FP8: tl.constexpr):
         """This layer's (k_scale, v_scale); 1.0 for a bf16/fp16 cache."""
         if FP8:

@@ -23,31 +23,22 @@ BLOCK_TOKENS = 64
 FP8_BLOCK_TOKENS = 128
 
 if triton is not None:
-    from runtime.engine.attention.kv_fp8 import load_scales, to_cache, v_offset
+    from runtime.engine.attention.kv_fp8 import load_scales, to_cache
     from runtime.engine.attention.split_decode import _merge_if_last
 
     @triton.jit
     def _attend_block(
-        q, m, lsum, acc, pages, cache_ptr, h, t0, end, plane_stride, scale, HKV: tl.constexpr, D: tl.constexpr,
-        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, INTERPRET: tl.constexpr,
+        q, m, lsum, acc, pages, head, t0, end, plane_stride, scale, HKV: tl.constexpr, D: tl.constexpr,
+        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
     ):
         """Fold cached tokens [t0, t0 + BLOCK_N) into the softmax state (P rounded as flashinfer's kernel does).
         An FP8 cache's values widen exactly to q's dtype (fp16); their scales are in ``scale`` and the output."""
         t = t0 + tl.arange(0, BLOCK_N)
         t_ok = t < end
-        dims = tl.arange(0, D)
-        # Whole pages' ids (tiles start on a page): each page's tokens are one contiguous run of its V^T.
-        page = tl.load(pages + t // PAGE, mask=t - t % PAGE < end, other=0).to(tl.int64)
-        slot = cache_ptr + h * D + ((page * PAGE) + t % PAGE)[:, None] * (HKV * D) + dims[None, :]
+        page = tl.load(pages + t // PAGE, mask=t_ok, other=0).to(tl.int64)
+        slot = head + ((page * PAGE) + t % PAGE)[:, None] * (HKV * D)
         k = tl.load(slot, mask=t_ok[:, None], other=0.0).to(q.dtype)
-        if KV_FP8:
-            # V^T pages (runtime/engine/kv_cache.py): [D, BLOCK_N] in runs of PAGE tokens, read whole so the loads
-            # stay 16 bytes wide. Slots past ``end`` meet P = 0, and no writer stores a NaN (they saturate).
-            runs = tl.max_contiguous(tl.multiple_of(page * (PAGE * HKV * D) + t % PAGE, PAGE), PAGE)
-            v = tl.trans(tl.load(cache_ptr + plane_stride + h * (D * PAGE) + dims[:, None] * PAGE + runs[None, :]))
-        else:
-            v = tl.load(slot + plane_stride, mask=t_ok[:, None], other=0.0)
-        v = v.to(q.dtype)
+        v = tl.load(slot + plane_stride, mask=t_ok[:, None], other=0.0).to(q.dtype)
         if INTERPRET:  # the interpreter's bf16 products are wrong
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
         else:
@@ -86,6 +77,7 @@ if triton is not None:
             return
         cached_end = tl.minimum(start + CHUNK, pos)
         pages = table_ptr + tl.load(row_ptr + b).to(tl.int64) * table_stride
+        head = cache_ptr + h * D + tl.arange(0, D)[None, :]
         g = tl.arange(0, QROWS)
         g_ok = g < GROUP
         dims = tl.arange(0, D)
@@ -111,9 +103,9 @@ if triton is not None:
             k_row = kv_ptr + b.to(tl.int64) * kv_stride + h * D
             k_new = to_cache(_rotate(k_row, dims, swapped, sign, cos, sin, dims < D), k_scale, cache_ty, KV_FP8)
             v_new = to_cache(tl.load(k_row + HKV * D + dims), v_scale, cache_ty, KV_FP8)
-            loc = tl.load(loc_ptr + b).to(tl.int64)
-            tl.store(cache_ptr + loc * (HKV * D) + h * D + dims, k_new)
-            tl.store(cache_ptr + plane_stride + v_offset(loc // PAGE, loc % PAGE, h, dims, HKV, D, PAGE, KV_FP8), v_new)
+            slot = cache_ptr + tl.load(loc_ptr + b).to(tl.int64) * (HKV * D) + h * D + dims
+            tl.store(slot, k_new)
+            tl.store(slot + plane_stride, v_new)
             m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
             lsum = tl.full((QROWS,), 1.0, tl.float32)
             acc = tl.zeros((QROWS, D), tl.float32) + v_new.to(tl.float32)[None, :]
@@ -124,13 +116,13 @@ if triton is not None:
         if INTERPRET:  # the interpreter cannot range over a runtime bound
             t0 = start
             while t0 < cached_end:
-                m, lsum, acc = _attend_block(q, m, lsum, acc, pages, cache_ptr, h, t0, cached_end, plane_stride, scale,
-                                             HKV, D, PAGE, BLOCK_N, KV_FP8, INTERPRET)
+                m, lsum, acc = _attend_block(q, m, lsum, acc, pages, head, t0, cached_end, plane_stride, scale, HKV, D,
+                                             PAGE, BLOCK_N, INTERPRET)
                 t0 += BLOCK_N
         else:  # a for loop lets Triton pipeline the loads
             for i in range(0, tl.cdiv(cached_end - start, BLOCK_N)):
-                m, lsum, acc = _attend_block(q, m, lsum, acc, pages, cache_ptr, h, start + i * BLOCK_N, cached_end,
-                                             plane_stride, scale, HKV, D, PAGE, BLOCK_N, KV_FP8, INTERPRET)
+                m, lsum, acc = _attend_block(q, m, lsum, acc, pages, head, start + i * BLOCK_N, cached_end,
+                                             plane_stride, scale, HKV, D, PAGE, BLOCK_N, INTERPRET)
         if KV_FP8:
             acc *= v_scale
         if CHUNKS_P2 == 1:

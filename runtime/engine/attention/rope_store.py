@@ -13,7 +13,7 @@ except ImportError:  # CPU-only installs never reach the flashinfer backend
     triton = None
 
 if triton is not None:
-    from runtime.engine.attention.kv_fp8 import load_scales, to_cache, v_offset
+    from runtime.engine.attention.kv_fp8 import load_scales, to_cache
 
     @triton.jit
     def _rotate(src, cos, sin, dst, dst1, mask, HALF: tl.constexpr, scale, FP8: tl.constexpr):
@@ -27,7 +27,7 @@ if triton is not None:
     def _rope_store(
         q_ptr, q_stride, kv_ptr, kv_stride, pos_ptr, cos_sin_ptr, loc_ptr, cache_ptr, plane_stride, scale_ptr,
         HQ: tl.constexpr, HKV: tl.constexpr, HQ_P2: tl.constexpr, HKV_P2: tl.constexpr, HALF: tl.constexpr,
-        PAGE: tl.constexpr, FP8: tl.constexpr,
+        FP8: tl.constexpr,
     ):
         t = tl.program_id(0)
         dims = tl.arange(0, HALF)[None, :]
@@ -41,15 +41,12 @@ if triton is not None:
         hk = tl.arange(0, HKV_P2)[:, None]
         k = kv_ptr + t.to(tl.int64) * kv_stride + hk * (2 * HALF) + dims
         v = k + HKV * 2 * HALF
-        loc = tl.load(loc_ptr + t)
-        slot = cache_ptr + loc * (HKV * 2 * HALF) + hk * (2 * HALF) + dims
+        slot = cache_ptr + tl.load(loc_ptr + t) * (HKV * 2 * HALF) + hk * (2 * HALF) + dims
         _rotate(k, cos, sin, slot, slot + HALF, hk < HKV, HALF, k_scale, FP8)
         ty = cache_ptr.dtype.element_ty
         ok = hk < HKV
-        v_slot = cache_ptr + plane_stride + v_offset(loc // PAGE, loc % PAGE, hk, dims, HKV, 2 * HALF, PAGE, FP8)
-        v_half = v_offset(0, 0, 0, HALF, HKV, 2 * HALF, PAGE, FP8)
-        tl.store(v_slot, to_cache(tl.load(v, mask=ok), v_scale, ty, FP8), mask=ok)
-        tl.store(v_slot + v_half, to_cache(tl.load(v + HALF, mask=ok), v_scale, ty, FP8), mask=ok)
+        tl.store(slot + plane_stride, to_cache(tl.load(v, mask=ok), v_scale, ty, FP8), mask=ok)
+        tl.store(slot + plane_stride + HALF, to_cache(tl.load(v + HALF, mask=ok), v_scale, ty, FP8), mask=ok)
 
 
 def rope_and_store(
@@ -71,5 +68,5 @@ def rope_and_store(
     _rope_store[(tokens,)](
         q, q.stride(0), kv, kv.stride(0), positions, cos_sin, out_loc, cache, cache.stride(0), kv_cache.scales[layer],
         HQ=heads, HKV=kv_heads, HQ_P2=triton.next_power_of_2(heads), HKV_P2=triton.next_power_of_2(kv_heads),
-        HALF=dim // 2, PAGE=kv_cache.page_size, FP8=kv_cache.fp8, num_warps=4,
+        HALF=dim // 2, FP8=kv_cache.fp8, num_warps=4,
     )

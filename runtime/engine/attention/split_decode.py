@@ -19,25 +19,22 @@ except ImportError:  # CPU-only installs never reach the flashinfer backend
 LOG2E = 1.4426950408889634
 
 if triton is not None:
-    from runtime.engine.attention.kv_fp8 import load_scales, to_cache, v_offset
+    from runtime.engine.attention.kv_fp8 import load_scales, to_cache
 
     @triton.jit
     def _load_block(
-        pages, cache_ptr, h, t0, end, plane_stride, HKV: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
-        BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
+        pages, head, t0, end, plane_stride, HKV: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
     ):
         t = t0 + tl.arange(0, BLOCK_N)
         t_ok = t < end
-        page = tl.load(pages + t // PAGE, mask=t_ok, other=0).to(tl.int64)[:, None]
-        dims = tl.arange(0, HALF)[None, :]
-        tok = cache_ptr + h * (2 * HALF) + ((page * PAGE) + t[:, None] % PAGE) * (HKV * 2 * HALF) + dims
+        page = tl.load(pages + t // PAGE, mask=t_ok, other=0).to(tl.int64)
+        tok = head + ((page * PAGE) + t % PAGE)[:, None] * (HKV * 2 * HALF)
         ok = t_ok[:, None]
         k1 = tl.load(tok, mask=ok, other=0.0)
         k2 = tl.load(tok + HALF, mask=ok, other=0.0)
-        v = cache_ptr + plane_stride + v_offset(page, t[:, None] % PAGE, h, dims, HKV, 2 * HALF, PAGE, KV_FP8)
-        v_half = v_offset(0, 0, 0, HALF, HKV, 2 * HALF, PAGE, KV_FP8)
-        v1 = tl.load(v, mask=ok, other=0.0)
-        v2 = tl.load(v + v_half, mask=ok, other=0.0)
+        v1 = tl.load(tok + plane_stride, mask=ok, other=0.0)
+        v2 = tl.load(tok + plane_stride + HALF, mask=ok, other=0.0)
         return t_ok, k1, k2, v1, v2
 
     @triton.jit
@@ -70,8 +67,8 @@ if triton is not None:
             return
         end = tl.minimum(start + share, pos)
         pages = table_ptr + tl.load(row_ptr + b).to(tl.int64) * table_stride
-        t_ok, ck1, ck2, cv1, cv2 = _load_block(pages, cache_ptr, h, start, end, plane_stride, HKV, HALF, PAGE, BLOCK_N,
-                                                  KV_FP8)
+        head = cache_ptr + h * D + dims[None, :]
+        t_ok, ck1, ck2, cv1, cv2 = _load_block(pages, head, start, end, plane_stride, HKV, HALF, PAGE, BLOCK_N)
         cos = tl.load(cos_sin_ptr + pos * D + dims)
         sin = tl.load(cos_sin_ptr + pos * D + HALF + dims)
         if PDL:
@@ -93,13 +90,11 @@ if triton is not None:
         v1 = to_cache(tl.load(k_new + HKV * D), v_scale, cache_ty, KV_FP8)
         v2 = to_cache(tl.load(k_new + HKV * D + HALF), v_scale, cache_ty, KV_FP8)
         if s == 0:
-            loc = tl.load(loc_ptr + b)
-            slot = cache_ptr + loc * (HKV * D) + h * D + dims
+            slot = cache_ptr + tl.load(loc_ptr + b) * (HKV * D) + h * D + dims
             tl.store(slot, k1)
             tl.store(slot + HALF, k2)
-            v_slot = cache_ptr + plane_stride + v_offset(loc // PAGE, loc % PAGE, h, dims, HKV, D, PAGE, KV_FP8)
-            tl.store(v_slot, v1)
-            tl.store(v_slot + v_offset(0, 0, 0, HALF, HKV, D, PAGE, KV_FP8), v2)
+            tl.store(slot + plane_stride, v1)
+            tl.store(slot + plane_stride + HALF, v2)
 
         m = tl.full((GROUP_P2,), float("-inf"), tl.float32)
         lsum = tl.zeros((GROUP_P2,), tl.float32)
@@ -118,8 +113,7 @@ if triton is not None:
             acc2 = acc2 * alpha[:, None] + tl.sum(p[:, :, None] * cv2.to(tl.float32)[None, :, :], axis=1)
             m = m_new
             t0 += BLOCK_N
-            t_ok, ck1, ck2, cv1, cv2 = _load_block(pages, cache_ptr, h, t0, end, plane_stride, HKV, HALF, PAGE,
-                                                      BLOCK_N, KV_FP8)
+            t_ok, ck1, ck2, cv1, cv2 = _load_block(pages, head, t0, end, plane_stride, HKV, HALF, PAGE, BLOCK_N)
         if pos < start + share:  # the new token, from registers
             x = tl.sum(q1 * k1.to(tl.float32)[None, :], axis=1) + tl.sum(q2 * k2.to(tl.float32)[None, :], axis=1)
             m_new = tl.maximum(m, x)
