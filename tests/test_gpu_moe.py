@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models import fused_moe
-from runtime import LLM
+from runtime import LLM, SamplingParams
 from tests.helpers import prefill_logits, relative_error
 from tests.test_fused_moe import random_layer, reference_moe
 from tests.test_gpu_families import hf_config, hf_logits, save_random_hf_model
@@ -51,9 +51,9 @@ def test_fused_moe_bf16_against_float64(shape):
 
 def routed_without_heavy_near_ties(model, seq: list[int], start: int, top_k: int) -> bool:  # noqa: ANN001
     """Whether HF float32's routers, at the scored positions and the few before them, keep every chosen expert
-    that carries a quarter or more of its layer's output clear of the next one. bf16 moves a router logit by
-    about 1e-2 here; inside that, bf16 may pick the other expert, which changes half of a top-2 layer's output
-    (and, through attention, the next positions). A top-8 router's eighth expert carries too little for that."""
+    that carries a quarter or more of its layer's output clear of the best one left out. bf16 moves a router
+    logit by about 1e-2 at these widths; inside that, bf16 may pick the other expert, which changes half of a
+    top-2 layer's output (and, through attention, the next positions)."""
     with torch.no_grad():
         routers = model(torch.tensor([seq], device="cuda"), output_router_logits=True).router_logits
     for logits in routers:
@@ -65,38 +65,39 @@ def routed_without_heavy_near_ties(model, seq: list[int], start: int, top_k: int
     return True
 
 
-def well_routed_sequences(path, vocab: int, top_k: int) -> list[list[int]]:  # noqa: ANN001
-    """A random prompt of each length and HF float32's greedy continuation, redrawn while HF float32's router
-    has a heavy near tie there: where the reference itself is a coin toss, no bf16 engine can match it."""
+def well_routed_sequences(llm: LLM, path, vocab: int, top_k: int) -> list[list[int]]:  # noqa: ANN001
+    """A random prompt of each length and our greedy continuation, redrawn while HF float32's router has a heavy
+    near tie there: where the reference itself is a coin toss, no bf16 engine can match it. Top-8 routers never
+    have one (their eighth expert carries about a twelfth of the output), so their prompts are the first drawn."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
-    seqs = []
-    for n in PROMPT_LENS:
-        for seed in range(PROMPT_DRAWS):
-            seq = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-            with torch.no_grad():
-                for _ in range(NEW_TOKENS):
-                    seq.append(int(model(torch.tensor([seq], device="cuda")).logits[0, -1].argmax()))
-            if routed_without_heavy_near_ties(model, seq, n - 1, top_k):
-                seqs.append(seq)
-                break
-        else:
-            pytest.fail(f"no prompt of {n} tokens in {PROMPT_DRAWS} draws without a heavy near tie of the router")
-    del model
-    torch.cuda.empty_cache()
-    return seqs
+    greedy = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    for _ in range(PROMPT_DRAWS):
+        seqs = [p + out.token_ids for p, out in zip(prompts, llm.generate(prompts, greedy))]
+        tied = [i for i, (p, s) in enumerate(zip(prompts, seqs))
+                if not routed_without_heavy_near_ties(model, s, len(p) - 1, top_k)]
+        if not tied:
+            del model
+            torch.cuda.empty_cache()
+            return seqs
+        for i in tied:
+            prompts[i] = torch.randint(0, vocab, (PROMPT_LENS[i],), generator=gen).tolist()
+    pytest.fail(f"prompts of {[PROMPT_LENS[i] for i in tied]} tokens kept a heavy near tie of the router in "
+                f"{PROMPT_DRAWS} draws")
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
 def test_moe_bf16_logits_against_hf_float32(name, tmp_path):
     path = save_random_hf_model(hf_config(name), tmp_path / name)
     config = json.loads((path / "config.json").read_text())
-    seqs = well_routed_sequences(path, config["vocab_size"], config["num_experts_per_tok"])
-    starts = [n - 1 for n in PROMPT_LENS]
     llm = LLM(str(path), overrides=OVERRIDES)
     eng = llm.engine
     assert eng.dtype == torch.bfloat16 and eng.model_config.is_moe and eng.graph_runner is not None
+    seqs = well_routed_sequences(llm, path, config["vocab_size"], config["num_experts_per_tok"])
+    starts = [n - 1 for n in PROMPT_LENS]
     runs = {"prefill + decode": prefill_logits(eng, seqs, decode_tail=NEW_TOKENS),
             "chunked prefill + decode": prefill_logits(eng, seqs, chunk=64, decode_tail=NEW_TOKENS),
             "prefill + graph decode": prefill_logits(eng, seqs, decode_tail=NEW_TOKENS, use_graph=True)}
