@@ -78,24 +78,21 @@ class FlashInferBackend:
         # Deterministic: every decode on paged_decode with one chunk size, and prefill never splits the KV.
         self.deterministic = deterministic
         self.kv_fp8 = kv_cache.fp8
-        if self.kv_fp8:
+        needs_paged = [key for key, on in (("cache.dtype=fp8_e4m3", self.kv_fp8),
+                                           ("engine.deterministic=true", deterministic)) if on]
+        if needs_paged:
             if not pd.supports(num_qo_heads, num_kv_heads, head_dim, dtype):
                 raise ValueError(
-                    f"cache.dtype=fp8_e4m3 decodes with paged_decode, which needs Triton, a 16-bit model.dtype, a "
-                    f"power-of-two head_dim >= 16 and at most 16 query heads per KV head (got {dtype}, head_dim "
-                    f"{head_dim}, {num_qo_heads} query and {num_kv_heads} KV heads)"
+                    f"{' and '.join(needs_paged)} {'decode' if len(needs_paged) > 1 else 'decodes'} with paged_decode, "
+                    f"which needs Triton, a 16-bit model.dtype, a power-of-two head_dim >= 16 and at most 16 query "
+                    f"heads per KV head (got {dtype}, head_dim {head_dim}, {num_qo_heads} query and {num_kv_heads} "
+                    "KV heads)"
                 )
             self.eager_paged = self._paged_state(page_table.shape[0], page_table.shape[1])
+        if self.kv_fp8:
             self.staged_pages: torch.Tensor | None = None  # a prefill's pages, in flashinfer's order
             self.host_scales = kv_cache.scales.tolist()  # flashinfer takes the K and V scales as floats
-        if deterministic:
-            if not pd.supports(num_qo_heads, num_kv_heads, head_dim, dtype):
-                raise ValueError(
-                    f"engine.deterministic=true decodes with paged_decode, which needs Triton, a 16-bit model.dtype, "
-                    f"a power-of-two head_dim >= 16 and at most 16 query heads per KV head (got {dtype}, head_dim "
-                    f"{head_dim}, {num_qo_heads} query and {num_kv_heads} KV heads)"
-                )
-            self.eager_paged = self._paged_state(page_table.shape[0], page_table.shape[1])
+
     def decode_uses_tensor_cores(self, batch_size: int) -> bool:
         return batch_size >= TENSOR_CORE_DECODE_MIN_BATCH or not self.cuda_cores_allowed
 
