@@ -29,7 +29,7 @@ class Fp8Checkpoint:
     (rows, columns) elements; a weight is its values times their scale. The tensors' dtypes say which weights
     are FP8; the loader matches each scale's shape to one of ``strategies``."""
 
-    method: str  # "compressed-tensors" or "fp8" (transformers' fine-grained FP8)
+    method: str  # "compressed-tensors" or "fp8" (transformers' fine-grained FP8, or AutoFP8)
     scale_name: str  # "weight_scale" or "weight_scale_inv"
     strategies: tuple[str, ...]  # of "channel", "tensor", "block"
     block: tuple[int, int] | None = None
@@ -167,8 +167,8 @@ def _moe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
 
 
 _SUPPORTED = ("tpinfer loads FP8 checkpoints (compressed-tensors float8 weights per channel, tensor or block, and "
-              "static float8 KV-cache scales per tensor; quant_method 'fp8') and bf16, fp16 or fp32 ones, which "
-              "model.quantization=fp8 quantises at load")
+              "static float8 KV-cache scales per tensor; quant_method 'fp8', block-wise as transformers writes it or "
+              "per tensor as AutoFP8 does) and bf16, fp16 or fp32 ones, which model.quantization=fp8 quantises at load")
 _CT_FP8_FORMATS = ("float-quantized", "naive-quantized")
 _CT_STRATEGIES = ("channel", "tensor", "block")
 
@@ -200,8 +200,10 @@ def _block_size(value: Any, source: str, field: str) -> tuple[int, int]:
 
 
 def _fine_grained_fp8(quant: dict[str, Any], source: str) -> Fp8Checkpoint:
-    """transformers' FineGrainedFP8Config (DeepSeek-V3, Qwen3-FP8): ``weight_scale_inv`` per block of
-    ``weight_block_size`` ([128, 128] when absent), or per tensor when it is null."""
+    """transformers' FineGrainedFP8Config (DeepSeek-V3, Qwen3-FP8), which always writes ``weight_block_size``:
+    ``weight_scale_inv`` per block of that size, or per tensor when it is null. Without the field, AutoFP8's
+    layout: ``weight_scale`` per tensor, and with ``kv_cache_scheme: static`` the K and V scales as the output
+    scales of k_proj and v_proj."""
     scheme = quant.get("activation_scheme", "dynamic")
     # Static activation scales are not needed: activations are quantised per token at run time.
     if str(scheme).lower() not in ("dynamic", "static"):
@@ -209,7 +211,12 @@ def _fine_grained_fp8(quant: dict[str, Any], source: str) -> Fp8Checkpoint:
     for field, supported in (("scale_fmt", "float"), ("expert_dtype", "fp8"), ("fmt", "e4m3")):
         if quant.get(field) not in (None, supported):
             raise _unsupported(source, f"quantization_config.{field}", quant[field], f" (only {supported!r})")
-    block = quant.get("weight_block_size", [128, 128])
+    if "weight_block_size" not in quant:
+        kv_scheme = quant.get("kv_cache_scheme")
+        if kv_scheme not in (None, "static"):
+            raise _unsupported(source, "quantization_config.kv_cache_scheme", kv_scheme, " (AutoFP8 writes 'static')")
+        return Fp8Checkpoint("fp8", "weight_scale", ("tensor",), kv_scales=kv_scheme == "static")
+    block = quant["weight_block_size"]
     if block is None:
         return Fp8Checkpoint("fp8", "weight_scale_inv", ("tensor",))
     return Fp8Checkpoint("fp8", "weight_scale_inv", ("block",),

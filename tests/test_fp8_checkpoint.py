@@ -1,7 +1,7 @@
-"""Pre-quantised FP8 checkpoints on CPU: compressed-tensors float8 (per channel, per tensor, per block) and
-transformers' fine-grained FP8 (128x128 blocks) load as published; per-row and per-tensor scales unchanged, blocks
-re-quantised per row; model.quantization=none dequantises; TP=2 and TP=3 store TP=1's weights; every other
-quantisation is refused naming the field."""
+"""Pre-quantised FP8 checkpoints on CPU: compressed-tensors float8 (per channel, per tensor, per block),
+transformers' fine-grained FP8 (128x128 blocks) and AutoFP8 (per tensor) load as published; per-row and
+per-tensor scales unchanged, blocks re-quantised per row; model.quantization=none dequantises; TP=2 and TP=3
+store TP=1's weights; every other quantisation is refused naming the field."""
 
 from __future__ import annotations
 
@@ -114,7 +114,8 @@ def _write_fp8(src: Path, dst: Path, quantization_config: dict, strategy_of: Cal
 def _write_dequantized(src: Path, dst: Path) -> Path:
     """``src``'s FP8 weights dequantised to float32, without scales or quantization_config."""
     config = json.loads((src / "config.json").read_text())
-    scale_name = "weight_scale_inv" if config.pop("quantization_config")["quant_method"] == "fp8" else "weight_scale"
+    quant = config.pop("quantization_config")
+    scale_name = "weight_scale_inv" if "weight_block_size" in quant else "weight_scale"
     ckpt = load_file(src / "model.safetensors")
     dst.mkdir()
     save_file({n: _checkpoint_weight(ckpt, n[: -len(".weight")], scale_name) if n.endswith(".weight") else t
@@ -143,6 +144,12 @@ def _fine_grained(block: tuple[int, int] | None = (BLOCK, BLOCK)) -> dict:
     """transformers' FineGrainedFP8Config as saved (DeepSeek-V3, Qwen3-FP8)."""
     return {"quant_method": "fp8", "activation_scheme": "dynamic", "modules_to_not_convert": None,
             "weight_block_size": None if block is None else list(block)}
+
+
+def _autofp8(kv_cache: bool = False) -> dict:
+    """AutoFP8's quantization_config (per-tensor ``weight_scale``, static input scales; no weight_block_size)."""
+    return {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"],
+            **({"kv_cache_scheme": "static"} if kv_cache else {})}
 
 
 def _projections(strategy: str, skip: tuple[str, ...] = ()) -> Callable[[str], str | None]:
@@ -226,13 +233,15 @@ def test_auto_leaves_an_unquantised_checkpoint_in_the_model_dtype(base_dir):
     assert weight.dtype == torch.float32 and scale is None
 
 
-@pytest.mark.parametrize("method", ["compressed-tensors", "fp8"])
+@pytest.mark.parametrize("method", ["compressed-tensors", "fp8", "autofp8"])
 def test_per_tensor_scales_are_broadcast_to_every_row(base_dir, tmp_path, method, caplog):
-    config = (_compressed_tensors({"group_0": (["Linear"], _ct_weights("tensor"))}, ignore=[], static_inputs=True)
-              if method == "compressed-tensors" else _fine_grained(block=None))
-    scale_name = "weight_scale" if method == "compressed-tensors" else "weight_scale_inv"
+    config = {"compressed-tensors": _compressed_tensors({"group_0": (["Linear"], _ct_weights("tensor"))}, ignore=[],
+                                                        static_inputs=True),
+              "fp8": _fine_grained(block=None), "autofp8": _autofp8()}[method]
+    scale_name = "weight_scale_inv" if method == "fp8" else "weight_scale"
+    input_scales = method != "fp8"
     ckpt_dir = _write_fp8(base_dir, tmp_path / method, config, _projections_and_head("tensor"), scale_name,
-                          input_scales=method == "compressed-tensors")
+                          input_scales=input_scales)
     ckpt = _checkpoint(ckpt_dir)
     with caplog.at_level(logging.INFO, logger="models.weights.loader"):
         model = _load(ckpt_dir, "fp8")
@@ -247,7 +256,7 @@ def test_per_tensor_scales_are_broadcast_to_every_row(base_dir, tmp_path, method
     # The LM head stays in the model dtype: the checkpoint's FP8 head dequantised.
     assert torch.equal(model.lm_head.weight, _checkpoint_weight(ckpt, "lm_head", scale_name))
     said = [r.getMessage() for r in caplog.records if "activation scales" in r.getMessage()]
-    assert len(said) == (1 if method == "compressed-tensors" else 0), said
+    assert len(said) == (1 if input_scales else 0), said
 
 
 def test_block_checkpoint_is_requantised_per_row_and_gives_the_dequantised_models_logits(base_dir, tmp_path):
@@ -371,6 +380,7 @@ REFUSED = {
     "fp8_block_size": ({**_fine_grained(), "weight_block_size": [128]}, r"weight_block_size=\[128\]"),
     "fp8_activations": ({**_fine_grained(), "activation_scheme": "per_group"}, r"activation_scheme='per_group'"),
     "fp8_ue8m0": ({**_fine_grained(), "scale_fmt": "ue8m0"}, r"scale_fmt='ue8m0'"),
+    "autofp8_kv_dynamic": ({**_autofp8(), "kv_cache_scheme": "dynamic"}, r"kv_cache_scheme='dynamic'"),
 }
 
 

@@ -1,5 +1,6 @@
 """Calibrated FP8 KV-cache scales from compressed-tensors checkpoints (``kv_cache_scheme``, per-tensor static
-float8) on CPU: an FP8 cache takes each layer's ``self_attn.k_scale`` / ``v_scale``; calibrated scales bring an
+float8) and AutoFP8 ones on CPU: an FP8 cache takes each layer's ``self_attn.k_scale`` / ``v_scale`` (or their
+older names, k_proj's and v_proj's ``output_scale``); calibrated scales bring an
 FP8 cache close to the float32 one where scales of 1.0 underflow K and saturate V; a model-dtype cache ignores
 them; a missing or misshapen scale and every other KV-cache scheme are refused naming it; TP ranks agree."""
 
@@ -23,6 +24,7 @@ from tests.helpers import make_engine, prefill_logits, relative_error
 from tests.test_fp8_checkpoint import (
     CPU,
     LLAMA,
+    _autofp8,
     _compressed_tensors,
     _ct_weights,
     _projections,
@@ -177,6 +179,56 @@ def test_calibrated_scales_bring_the_fp8_cache_close_to_the_float32_one(base_dir
         # Measured over 4 prompts (seeds 12, 13): 0.58-0.82 at scale 1.0; 0.065-0.10 calibrated, what e4m3 gives this random
         # model unscaled (its logits are small, so the relative error is larger than tests/test_fp8_kv.py's).
         assert err_one > 0.3 and err_tuned < 0.15 and err_tuned * 5 < err_one
+
+
+def _older_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The scales as AutoFP8 and older llm-compressor releases name them: k_proj's and v_proj's output scales."""
+    return {re.sub(r"self_attn\.(k|v)_scale$", r"self_attn.\1_proj.output_scale", n): t for n, t in tensors.items()}
+
+
+def _save(tensors: dict[str, torch.Tensor], config: dict, dst: Path) -> Path:
+    dst.mkdir()
+    save_file(tensors, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_the_older_names_of_the_scales_load_as_the_current_ones(kv_dir, tmp_path):
+    tensors = load_file(kv_dir / "model.safetensors")
+    config = json.loads((kv_dir / "config.json").read_text())
+    older = _older_names(tensors)
+    assert "model.layers.1.self_attn.v_proj.output_scale" in older and _kv_name(1, "v") not in older
+    got = _cache_scales(0, str(_save(older, config, tmp_path / "older")))
+    assert torch.equal(got["cache"], SCALES) and torch.equal(got["params"], SCALES)
+    both = {**older, _kv_name(1, "k"): tensors[_kv_name(1, "k")].clone()}  # one scale under both names
+    with pytest.raises(ValueError, match=r"are both model\.layers\.1\.self_attn\.k_scale: keep one") as info:
+        make_engine(_save(both, config, tmp_path / "both"), FP8_KV)
+    assert "model.layers.1.self_attn.k_proj.output_scale" in str(info.value)
+    config["quantization_config"]["kv_cache_scheme"] = None  # undeclared: named as stored
+    with pytest.raises(ValueError, match=r"unexpected: model\.layers\.0\.self_attn\.k_proj\.output_scale \(read as "
+                                         r"model\.layers\.0\.self_attn\.k_scale\)"):
+        make_engine(_save(older, config, tmp_path / "undeclared"), FP8_KV)
+
+
+def test_an_autofp8_checkpoint_with_kv_scales_loads_as_published(base_dir, tmp_path):
+    """AutoFP8's layout: per-tensor weight scales, static input scales, ``kv_cache_scheme: static`` and the K and
+    V scales as k_proj's and v_proj's output scales."""
+    published = _write_fp8(base_dir, tmp_path / "weights", _autofp8(kv_cache=True), _projections("tensor"),
+                           input_scales=True)
+    tensors = load_file(published / "model.safetensors")
+    for layer, pair in enumerate(SCALES.tolist()):
+        for kind, value in zip("kv", pair):
+            tensors[f"model.layers.{layer}.self_attn.{kind}_proj.output_scale"] = torch.tensor(value)
+    ckpt = _save(tensors, json.loads((published / "config.json").read_text()), tmp_path / "ckpt")
+    cfg = ModelConfig.from_dir(ckpt)
+    assert cfg.fp8 and cfg.kv_scales and cfg.checkpoint_fp8.strategies == ("tensor",)
+    got = _cache_scales(0, str(ckpt))
+    assert torch.equal(got["cache"], SCALES)
+    engine = make_engine(ckpt, FP8_KV)
+    qkv = engine.model.model.layers[0].self_attn.qkv_proj
+    k_rows = slice(LLAMA["num_attention_heads"] * LLAMA["head_dim"], None)
+    assert qkv.weight.dtype == fp8.FP8
+    assert torch.equal(qkv.weight_scale[k_rows][:1], tensors["model.layers.0.self_attn.k_proj.weight_scale"].reshape(1))
 
 
 # --- refusals ---------------------------------------------------------------------------------------------

@@ -30,6 +30,8 @@ FLOAT_DTYPES = ("F32", "F16", "BF16")
 ACTIVATION_SCALES = ("input_scale", "activation_scale")
 # Calibrated FP8 KV-cache scales (compressed-tensors kv_cache_scheme): one per tensor, stored as [] or [1].
 KV_SCALES = ("self_attn.k_scale", "self_attn.v_scale")
+# The same scales as AutoFP8 and older llm-compressor releases name them: the output scales of k_proj and v_proj.
+KV_SCALE_ALIASES = {"self_attn.k_proj.output_scale": KV_SCALES[0], "self_attn.v_proj.output_scale": KV_SCALES[1]}
 PER_TENSOR_SHAPES = ((), (1,))
 
 
@@ -37,6 +39,7 @@ class TensorInfo(NamedTuple):
     file: str
     shape: tuple[int, ...]
     dtype: str  # safetensors' dtype name: "BF16", "F8_E4M3", ...
+    stored_as: str  # the name in the file, where the index holds it under another (KV_SCALE_ALIASES)
 
 
 @dataclass(frozen=True)
@@ -114,11 +117,11 @@ def load_model(
             if target is None:
                 continue
             param_name, shard_id = target
-            source: SliceSource = handles[info.file].get_slice(ckpt_name)
+            source: SliceSource = handles[info.file].get_slice(info.stored_as)
             if ckpt_name in layout.scales:
                 scale, strategy = layout.scales[ckpt_name]
                 assert cfg.checkpoint_fp8 is not None  # fp8_layout found no FP8 tensor without it
-                source = Fp8Weight(source, handles[index[scale].file].get_slice(scale), strategy,
+                source = Fp8Weight(source, handles[index[scale].file].get_slice(index[scale].stored_as), strategy,
                                    cfg.checkpoint_fp8.block, device)
             params[param_name].weight_loader(params[param_name], source, shard_id)
             filled.add(param_name)
@@ -133,14 +136,26 @@ def load_model(
 
 
 def checkpoint_index(files: list[Path]) -> dict[str, TensorInfo]:
-    """Every tensor in the checkpoint files, in file order, read from the headers only."""
+    """Every tensor in the checkpoint files, in file order, read from the headers only; older names of the
+    KV-cache scales under the current ones."""
     index: dict[str, TensorInfo] = {}
     for file in files:
         with open_checkpoint(file) as f:
-            for name in f.keys():
-                tensor = f.get_slice(name)
-                index[name] = TensorInfo(file.name, tuple(tensor.get_shape()), tensor.get_dtype())
+            for stored in f.keys():
+                name = _current_name(stored)
+                if name in index and index[name].stored_as != stored:
+                    raise ValueError(f"checkpoint tensors {index[name].stored_as} in {index[name].file} and {stored} "
+                                     f"in {file.name} are both {name}: keep one")
+                tensor = f.get_slice(stored)
+                index[name] = TensorInfo(file.name, tuple(tensor.get_shape()), tensor.get_dtype(), stored)
     return index
+
+
+def _current_name(stored: str) -> str:
+    for old, new in KV_SCALE_ALIASES.items():
+        if stored.endswith("." + old):
+            return stored[: -len(old)] + new
+    return stored
 
 
 def fp8_layout(path: Path, index: dict[str, TensorInfo], quant: Fp8Checkpoint | None) -> Fp8Layout:
@@ -235,10 +250,12 @@ def check_checkpoint(path: Path, index: dict[str, TensorInfo], model: LlamaForCa
              f"{', '.join(counts)}; it holds {len(index)} tensors, the config needs {len(expected)}:"]
     lines += [f"  missing: {n} {expected[n]}" + (" (config.json's quantization_config.kv_cache_scheme needs it)"
                                                   if _is_kv_scale(n) else "") for n in missing]
-    lines += [f"  unexpected: {n} {index[n].shape} in {index[n].file}" for n in unexpected]
-    lines += [f"  wrong shape: {n} is {index[n].shape} in {index[n].file}, expected "
+    stored = {n: n if info.stored_as == n else f"{info.stored_as} (read as {n})" for n, info in index.items()}
+    lines += [f"  unexpected: {stored[n]} {index[n].shape} in {index[n].file}" for n in unexpected]
+    lines += [f"  wrong shape: {stored[n]} is {index[n].shape} in {index[n].file}, expected "
               f"{' or '.join(map(str, PER_TENSOR_SHAPES)) if _is_kv_scale(n) else expected[n]}" for n in wrong]
-    lines += [f"  unsupported dtype: {n} is {index[n].dtype} in {index[n].file}, expected one of {list(_loadable(n))}"
+    lines += [f"  unsupported dtype: {stored[n]} is {index[n].dtype} in {index[n].file}, expected one of "
+              f"{list(_loadable(n))}"
               for n in wrong_dtype]
     raise ValueError("\n".join(lines))
 
