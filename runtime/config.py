@@ -189,7 +189,7 @@ def _all_keys(node: Any, prefix: str = "") -> list[str]:
 
 def _explain(exc: OmegaConfBaseException, schema: DictConfig, source: str) -> ConfigError:
     key = getattr(exc, "full_key", None) or ""
-    msg = getattr(exc, "msg", None) or str(exc).splitlines()[0]
+    msg = (getattr(exc, "msg", None) or str(exc)).splitlines()[0]  # omegaconf appends full_key/object_type lines
     if "not in struct" in str(exc) or "Key '" in msg and "not in" in msg:
         near = difflib.get_close_matches(key, _all_keys(schema), n=1, cutoff=0.6)
         hint = f"; did you mean '{near[0]}'?" if near else ""

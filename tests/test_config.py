@@ -164,6 +164,14 @@ def test_wrong_type_in_yaml_names_the_key(tmp_path):
         load_config([path])
 
 
+def test_a_wrong_type_is_one_line_without_omegaconfs_internals():
+    with pytest.raises(ConfigError) as info:
+        load_config([], ["cache.page_size=abc"])
+    message = str(info.value)
+    assert "'abc'" in message and "cache.page_size" in message
+    assert "\n" not in message and "object_type" not in message and "reference_type" not in message
+
+
 @pytest.mark.parametrize("text", ["cache: [page_size: 1\n", "cache:\n  page_size: 1\n bad indent: 2\n", "{{{\n"])
 def test_malformed_yaml(tmp_path, text):
     path = write(tmp_path, "bad.yaml", text)
