@@ -395,6 +395,16 @@ def test_other_quantisations_are_refused_naming_the_field(base_dir, tmp_path, na
     assert "model.quantization=fp8 quantises at load" in str(info.value)
 
 
+def test_a_block_checkpoint_whose_config_omits_the_block_size_says_so(base_dir, tmp_path):
+    """Without weight_block_size an 'fp8' config is AutoFP8's per-tensor layout (as vLLM reads it); block scales
+    (weight_scale_inv) then fail naming the missing field."""
+    config = {k: v for k, v in _fine_grained().items() if k != "weight_block_size"}
+    ckpt_dir = _write_fp8(base_dir, tmp_path / "ckpt", config, _projections("block"), "weight_scale_inv")
+    with pytest.raises(ValueError, match=r"weight_scale is missing .* it has weight_scale_inv: .* must state "
+                                         r"weight_block_size"):
+        _load(ckpt_dir, "fp8")
+
+
 @pytest.mark.parametrize("damage", ["missing", "wrong_shape", "unquantised_weight", "no_config"])
 def test_a_bad_scale_fails_at_load_naming_the_tensor(base_dir, tmp_path, damage):
     config = _compressed_tensors({"group_0": (["Linear"], _ct_weights("channel"))}, ["lm_head"])

@@ -189,7 +189,11 @@ def _fp8_scale(path: Path, index: dict[str, TensorInfo], name: str,
         raise ValueError(f"{where}: only 2-D weights can be FP8")
     scale = name[: -len("weight")] + quant.scale_name
     if scale not in index:
-        raise ValueError(f"{where}, but its scale {scale} is missing from the checkpoint")
+        block_scale = name[: -len("weight")] + "weight_scale_inv"
+        hint = ("; it has weight_scale_inv: an 'fp8' quantization_config without weight_block_size is AutoFP8's "
+                "per-tensor weight_scale, so a block-wise checkpoint must state weight_block_size (transformers "
+                "writes [128, 128])") if quant.method == "fp8" and block_scale in index else ""
+        raise ValueError(f"{where}, but its scale {scale} is missing from the checkpoint{hint}")
     scale_info = index[scale]
     if scale_info.dtype not in FLOAT_DTYPES:
         raise ValueError(f"checkpoint tensor {scale} in {path / scale_info.file} is {scale_info.dtype}; "
