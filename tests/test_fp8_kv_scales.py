@@ -1,8 +1,8 @@
 """Calibrated FP8 KV-cache scales from compressed-tensors checkpoints (``kv_cache_scheme``, per-tensor static
 float8) and AutoFP8 ones on CPU: an FP8 cache takes each layer's ``self_attn.k_scale`` / ``v_scale`` (or their
-older names, k_proj's and v_proj's ``output_scale``); calibrated scales bring an
-FP8 cache close to the float32 one where scales of 1.0 underflow K and saturate V; a model-dtype cache ignores
-them; a missing or misshapen scale and every other KV-cache scheme are refused naming it; TP ranks agree."""
+older names, k_proj's and v_proj's ``output_scale``); calibrated scales bring an FP8 cache close to the float32
+one where scales of 1.0 underflow K and saturate V; a model-dtype cache ignores them; a missing or misshapen
+scale and every other KV-cache scheme are refused naming it; TP ranks agree."""
 
 from __future__ import annotations
 
@@ -53,6 +53,13 @@ def _fp8_config(kv_scheme: dict | None = KV_SCHEME) -> dict:
     return {**config, "kv_cache_scheme": kv_scheme}
 
 
+def _save(tensors: dict[str, torch.Tensor], config: dict, dst: Path) -> Path:
+    dst.mkdir()
+    save_file(tensors, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
 def _with_kv_scales(src: Path, dst: Path, scales: torch.Tensor) -> Path:
     """``src`` (an FP8 checkpoint with kv_cache_scheme) plus each layer's (k_scale, v_scale) from ``scales``;
     layer 0's stored as ``[]``, the others as ``[1]`` (both are published)."""
@@ -60,10 +67,7 @@ def _with_kv_scales(src: Path, dst: Path, scales: torch.Tensor) -> Path:
     for layer, pair in enumerate(scales.tolist()):
         for kind, value in zip("kv", pair):
             tensors[_kv_name(layer, kind)] = torch.tensor(value if layer == 0 else [value], dtype=torch.float32)
-    dst.mkdir()
-    save_file(tensors, str(dst / "model.safetensors"))
-    (dst / "config.json").write_text((src / "config.json").read_text())
-    return dst
+    return _save(tensors, json.loads((src / "config.json").read_text()), dst)
 
 
 def _rescaled(src: Path, dst: Path, factors: dict[str, float]) -> Path:
@@ -71,10 +75,7 @@ def _rescaled(src: Path, dst: Path, factors: dict[str, float]) -> Path:
     tensors = {n: t for f in sorted(src.glob("*.safetensors")) for n, t in load_file(f).items()}
     for name, tensor in tensors.items():
         tensors[name] = tensor * next((f for part, f in factors.items() if part in name), 1.0)
-    dst.mkdir()
-    save_file(tensors, str(dst / "model.safetensors"))
-    (dst / "config.json").write_text((src / "config.json").read_text())
-    return dst
+    return _save(tensors, json.loads((src / "config.json").read_text()), dst)
 
 
 @pytest.fixture(scope="module")
@@ -184,13 +185,6 @@ def test_calibrated_scales_bring_the_fp8_cache_close_to_the_float32_one(base_dir
 def _older_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The scales as AutoFP8 and older llm-compressor releases name them: k_proj's and v_proj's output scales."""
     return {re.sub(r"self_attn\.(k|v)_scale$", r"self_attn.\1_proj.output_scale", n): t for n, t in tensors.items()}
-
-
-def _save(tensors: dict[str, torch.Tensor], config: dict, dst: Path) -> Path:
-    dst.mkdir()
-    save_file(tensors, str(dst / "model.safetensors"))
-    (dst / "config.json").write_text(json.dumps(config))
-    return dst
 
 
 def test_the_older_names_of_the_scales_load_as_the_current_ones(kv_dir, tmp_path):
