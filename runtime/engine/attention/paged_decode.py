@@ -152,10 +152,11 @@ NUM_WARPS: int | None = None
 NUM_STAGES: int | None = None
 
 
-def launch_config(head_dim: int, chunk: int) -> tuple[int, int]:
-    """(num_warps, num_stages), tuned with scripts/bench_attention.py."""
+def launch_config(head_dim: int, chunk: int, fp8: bool = False) -> tuple[int, int]:
+    """(num_warps, num_stages), tuned with scripts/bench_attention.py [--fp8]."""
     if head_dim <= 64:
-        warps, stages = 2, (5 if chunk >= 1024 else 2)
+        # Two warps would each hold half of a 128-token e4m3 tile widened to fp16: too many registers a thread.
+        warps, stages = (4 if fp8 else 2), (5 if chunk >= 1024 else 2)
     else:
         warps, stages = 4, 2
     return NUM_WARPS or warps, NUM_STAGES or stages
@@ -195,8 +196,8 @@ def paged_decode(
     group = heads // kv_heads
     out = torch.empty(batch, heads * dim, dtype=q.dtype, device=q.device)
     grid_chunks = min(chunks, triton.cdiv(page_table.shape[1] * cache.shape[2], chunk))
-    warps, stages = launch_config(dim, chunk)
     fp8 = is_fp8_cache(cache, kv_scales)
+    warps, stages = launch_config(dim, chunk, fp8)
     _chunk_attend[(batch, kv_heads, grid_chunks)](
         q, q.stride(0), kv, kv.stride(0), positions, rows, out_loc, cos_sin, page_table, page_table.stride(0), cache,
         cache.stride(0), kv_scales if fp8 else workspace, workspace, counters, out,
