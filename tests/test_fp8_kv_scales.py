@@ -251,13 +251,16 @@ def test_a_bad_kv_scale_fails_at_load_naming_it(kv_dir, tmp_path, damage):
         make_engine(tmp_path, FP8_KV)
 
 
-def test_a_scale_that_is_not_positive_fails_naming_it(kv_dir, tmp_path):
+@pytest.mark.parametrize("older", [False, True])
+def test_a_scale_that_is_not_positive_fails_naming_it(kv_dir, tmp_path, older):
     tensors = load_file(kv_dir / "model.safetensors")
     tensors[_kv_name(1, "k")] = torch.zeros(1)
-    save_file(tensors, str(tmp_path / "model.safetensors"))
-    tmp_path.joinpath("config.json").write_text((kv_dir / "config.json").read_text())
-    with pytest.raises(ValueError, match=re.escape(_kv_name(1, "k")) + " is 0.0; .*positive and finite"):
-        make_engine(tmp_path, FP8_KV)
+    tensors = _older_names(tensors) if older else tensors
+    config = json.loads((kv_dir / "config.json").read_text())
+    with pytest.raises(ValueError, match=r" is 0\.0; .*positive and finite") as info:
+        make_engine(_save(tensors, config, tmp_path / "ckpt"), FP8_KV)
+    stored = "model.layers.1.self_attn.k_proj.output_scale" if older else _kv_name(1, "k")
+    assert stored in str(info.value) and "layers.0" not in str(info.value)
 
 
 REFUSED = {  # the scheme, what follows "quantization_config.kv_cache_scheme" in the error

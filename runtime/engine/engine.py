@@ -17,7 +17,7 @@ from models.config import ModelConfig
 from models.context import ForwardContext
 from models.ops import FLASHINFER_KERNELS, GPU_EXTRA, TORCH_KERNELS, flashinfer_installed
 from models.weights.default_model import resolve_model_path
-from models.weights.loader import load_model
+from models.weights.loader import KV_SCALE_ALIASES, KV_SCALES, load_model
 from parallel.custom_all_reduce import make_custom_all_reduce
 from parallel.distributed import agree_on_memory
 from parallel.ordered_all_reduce import OrderedAllReduce
@@ -60,11 +60,13 @@ def _use_checkpoint_kv_scales(model: torch.nn.Module, kv_cache: KVCache, model_d
         return
     attns = [layer.self_attn for layer in model.model.layers]
     scales = torch.stack([torch.cat((attn.k_scale, attn.v_scale)) for attn in attns])
+    older_names = {current: older for older, current in KV_SCALE_ALIASES.items()}
     for i, row in enumerate(scales.tolist()):
-        for kind, value in zip("kv", row):
+        for name, value in zip(KV_SCALES, row):
             if not 0 < value < float("inf"):  # zero, negative or NaN would wreck every cached value
-                raise ValueError(f"{model_dir}: checkpoint tensor model.layers.{i}.self_attn.{kind}_scale is {value}; "
-                                 "a KV-cache scale must be positive and finite")
+                raise ValueError(f"{model_dir}: checkpoint tensor model.layers.{i}.{name} (or, under its older name, "
+                                 f"model.layers.{i}.{older_names[name]}) is {value}; a KV-cache scale must be "
+                                 "positive and finite")
     kv_cache.scales.copy_(scales)
 
 
