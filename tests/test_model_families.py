@@ -146,6 +146,22 @@ def test_real_shape_configs_load_as_their_family(name, arch, flags, params_b):
     assert cfg.num_heads % 2 == 0 and cfg.num_kv_heads % 2 == 0  # TP=2 splits them
 
 
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).resolve().parents[1] / "configs" / "models").iterdir()))
+def test_every_shape_config_builds_in_hf_transformers(name):
+    """The HF peers of scripts/bench_offline.py build each shape from its config.json, which needs the model_type
+    that published configs carry, and must agree with our reading of it."""
+    from transformers import AutoConfig
+
+    from models.config import ModelConfig
+
+    folder = Path(__file__).resolve().parents[1] / "configs" / "models" / name
+    hf = AutoConfig.from_pretrained(str(folder))
+    ours = ModelConfig.from_dir(folder)
+    assert hf.architectures == [ours.architecture]
+    assert (hf.hidden_size, hf.num_hidden_layers, hf.num_attention_heads, hf.vocab_size) == (
+        ours.hidden_size, ours.num_layers, ours.num_heads, ours.vocab_size)
+
+
 # Shapes TP=3 splits: 6 query heads, an intermediate size and head_dim*heads divisible by 3, a vocabulary that is
 # not (the last shard is padded).
 TP3 = dict(vocab_size=VOCAB, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=6,
