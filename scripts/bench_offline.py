@@ -103,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="set a module constant (a Python literal) in every measured process, e.g. "
                              "models.gemv.TUNED_TILES={}")
     parser.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
-                        help="one untimed pass of the first engine run, filling the kernel compile cache")
+                        help="one untimed pass of the first engine run, so a fresh machine's one-time costs stay out")
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--limits", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*")
@@ -140,9 +140,9 @@ def measure(args: argparse.Namespace, run: str, limits: dict | None = None, tp: 
 
 
 def warm_up(args: argparse.Namespace, plan: list[str], limits: dict) -> dict | None:
-    """One untimed pass of the plan's first engine run. A fresh machine's first process compiles Triton kernels for
-    shapes the in-process warm-up does not reach, inside its timed region; later processes load them from the disk
-    cache. Its result is kept apart, so the cost of a cold cache stays visible."""
+    """One untimed pass of the plan's first engine run: a fresh machine's first engine process pays one-time costs
+    inside its timed region (most likely Triton kernels compiled into the disk cache for shapes the in-process
+    warm-up does not reach), which later processes skip. Its result is kept apart, so that cost stays visible."""
     first = next((run for run in plan if not run.startswith("hf_")), None)
     if first is None:
         return None
