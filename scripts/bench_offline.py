@@ -139,28 +139,35 @@ def measure(args: argparse.Namespace, run: str, limits: dict | None = None, tp: 
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def warm_up(args: argparse.Namespace, plan: list[str], limits: dict) -> dict | None:
-    """One untimed pass of the plan's first engine run: a fresh machine's first engine process pays one-time costs
-    inside its timed region (most likely Triton kernels compiled into the disk cache for shapes the in-process
-    warm-up does not reach), which later processes skip. Its result is kept apart, so that cost stays visible."""
-    first = next((run for run in plan if not run.startswith("hf_")), None)
-    if first is None:
+def warm_up(args: argparse.Namespace, runs: list[str], limits: dict, tp: int = 1) -> dict | None:
+    """One untimed pass of the first engine run among ``runs``: a fresh machine's first engine process at a TP size
+    pays one-time costs inside its timed region (most likely Triton kernels compiled into the disk cache for shapes
+    the in-process warm-up does not reach), which later processes skip. Its result is kept apart, so that cost
+    stays visible."""
+    first = next((run for run in runs if not run.startswith("hf_")), None)
+    if first is None or not args.warm_up:
         return None
-    result = measure(args, first, limits)
-    print(f"warm-up ({first}, not counted) {json.dumps(result)}", flush=True)
-    return {"run": first, **{k: result[k] for k in ("output_tok_s", "seconds", "error") if k in result}}
+    result = measure(args, first, limits, tp)
+    key = first if tp == 1 else f"{first}@tp{tp}"
+    print(f"warm-up ({key}, not counted) {json.dumps(result)}", flush=True)
+    return {"run": key, **{k: result[k] for k in ("output_tok_s", "seconds", "error") if k in result}}
 
 
-def measure_all(args: argparse.Namespace, plan: list[str], limits: dict, runs: dict) -> None:
-    """The plan at TP=1, then ``--tp-runs`` at each TP size > 1 (keys ``RUN@tpN``); each printed as it lands."""
+def measure_all(args: argparse.Namespace, plan: list[str], limits: dict, results: dict) -> None:
+    """The plan at TP=1, then ``--tp-runs`` at each TP size > 1 (keys ``RUN@tpN``), each after its warm-up pass;
+    each printed as it lands."""
+    runs, warm = results["runs"], results["warm_up"]
+    warm.append(warm_up(args, plan, limits))
     for run in plan:
         runs[run] = measure(args, run, limits)
         print(run, json.dumps(runs[run]), flush=True)
     for tp in [int(t) for t in args.tp.split(",") if int(t) > 1]:
+        warm.append(warm_up(args, args.tp_runs.split(","), limits, tp))
         for run in args.tp_runs.split(","):
             key = f"{run}@tp{tp}"
             runs[key] = measure(args, run, limits, tp)
             print(key, json.dumps(runs[key]), flush=True)
+    results["warm_up"] = [w for w in warm if w]
 
 
 def main() -> int:
@@ -169,13 +176,11 @@ def main() -> int:
         return run_in_this_process(args)
     base = load_bench_config(args.config, args.overrides)
     name = args.name or Path(args.config[-1]).stem
-    results: dict = {"name": name, "command": " ".join(sys.argv), "config": to_yaml(base), "runs": {}}
+    results: dict = {"name": name, "command": " ".join(sys.argv), "config": to_yaml(base), "warm_up": [], "runs": {}}
     limits = measure(args, "limits")
     results["limits"] = limits
     print(f"limits: {limits}", flush=True)
-    plan = plan_runs(base, args)
-    results["warm_up"] = warm_up(args, plan, limits) if args.warm_up else None
-    measure_all(args, plan, limits, results["runs"])
+    measure_all(args, plan_runs(base, args), limits, results)
     add_scaling(results)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ def _run(monkeypatch, tmp_path: Path, *args: str) -> tuple[list[str], dict]:
     calls: list[str] = []
 
     def fake_measure(_args, run: str, limits=None, tp: int = 1) -> dict:
-        calls.append(run)
+        calls.append(run if tp == 1 else f"{run}@tp{tp}")
         return {"limits": {"hbm_gbps": 1.0}}.get(run, {"output_tok_s": 100.0 + len(calls), "seconds": 1.0})
 
     monkeypatch.setattr(bench, "measure", fake_measure)
@@ -31,7 +31,7 @@ def _run(monkeypatch, tmp_path: Path, *args: str) -> tuple[list[str], dict]:
 def test_the_first_engine_run_is_measured_once_untimed_before_the_plan(monkeypatch, tmp_path):
     calls, results = _run(monkeypatch, tmp_path, "--runs", "hf_static,tpinfer_fixed,tpinfer")
     assert calls == ["limits", "tpinfer_fixed", "hf_static", "tpinfer_fixed", "tpinfer"]
-    assert results["warm_up"] == {"run": "tpinfer_fixed", "output_tok_s": 102.0, "seconds": 1.0}
+    assert results["warm_up"] == [{"run": "tpinfer_fixed", "output_tok_s": 102.0, "seconds": 1.0}]
     assert list(results["runs"]) == ["hf_static", "tpinfer_fixed", "tpinfer"]
     assert results["runs"]["tpinfer_fixed"]["output_tok_s"] == 104.0  # the timed pass, not the warm-up
 
@@ -42,4 +42,11 @@ def test_the_first_engine_run_is_measured_once_untimed_before_the_plan(monkeypat
 ])
 def test_no_warm_up_when_switched_off_or_no_engine_runs(monkeypatch, tmp_path, args, expected):
     calls, results = _run(monkeypatch, tmp_path, *args)
-    assert calls == expected and results["warm_up"] is None
+    assert calls == expected and results["warm_up"] == []
+
+
+def test_each_tp_size_gets_its_own_warm_up(monkeypatch, tmp_path):
+    calls, results = _run(monkeypatch, tmp_path, "--runs", "tpinfer", "--tp", "1,2", "--tp-runs", "tpinfer,decode_profile")
+    assert calls == ["limits", "tpinfer", "tpinfer", "tpinfer@tp2", "tpinfer@tp2", "decode_profile@tp2"]
+    assert [w["run"] for w in results["warm_up"]] == ["tpinfer", "tpinfer@tp2"]
+    assert list(results["runs"]) == ["tpinfer", "tpinfer@tp2", "decode_profile@tp2"]
