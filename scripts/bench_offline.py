@@ -157,17 +157,18 @@ def measure_all(args: argparse.Namespace, plan: list[str], limits: dict, results
     """The plan at TP=1, then ``--tp-runs`` at each TP size > 1 (keys ``RUN@tpN``), each after its warm-up pass;
     each printed as it lands."""
     runs, warm = results["runs"], results["warm_up"]
-    warm.append(warm_up(args, plan, limits))
+    if passed := warm_up(args, plan, limits):
+        warm.append(passed)
     for run in plan:
         runs[run] = measure(args, run, limits)
         print(run, json.dumps(runs[run]), flush=True)
     for tp in [int(t) for t in args.tp.split(",") if int(t) > 1]:
-        warm.append(warm_up(args, args.tp_runs.split(","), limits, tp))
+        if passed := warm_up(args, args.tp_runs.split(","), limits, tp):
+            warm.append(passed)
         for run in args.tp_runs.split(","):
             key = f"{run}@tp{tp}"
             runs[key] = measure(args, run, limits, tp)
             print(key, json.dumps(runs[key]), flush=True)
-    results["warm_up"] = [w for w in warm if w]
 
 
 def main() -> int:

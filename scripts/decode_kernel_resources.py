@@ -81,9 +81,8 @@ def main_loop(sass: str) -> collections.Counter:
 
 
 def describe(a: argparse.Namespace, setting: str) -> dict:
-    fp8_tokens = pd.FP8_BLOCK_TOKENS if a.fp8 else pd.BLOCK_TOKENS
     warps, stages = pd.launch_config(a.head_dim, 1024, a.fp8)
-    chosen = {"b": fp8_tokens, "w": warps, "s": stages}
+    chosen = {"b": pd.FP8_BLOCK_TOKENS if a.fp8 else pd.BLOCK_TOKENS, "w": warps, "s": stages}
     chosen.update({part[0]: int(part[1:]) for part in setting.split("_") if part})
     kernel = compile_kernel(a, chosen["b"], chosen["w"], chosen["s"])
     usage = re.search(r"REG:(\d+).*?LOCAL:(\d+)", cuobjdump(kernel.asm["cubin"], "-res-usage"))
