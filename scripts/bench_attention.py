@@ -4,8 +4,9 @@
         [--heads 32 --kv-heads 8 --head-dim 64] [--impls cuda,tc_fa2,tc_fa3,xqa] [--layouts NHD,HND] [--fp8]
 
 Outputs are checked against the first implementation's. Only ``+rope`` entries (with our RoPE + KV-store kernel)
-compare with ``triton`` and ``paged``, which include those steps. ``paged_b<tokens>_w<warps>_s<stages>`` runs
-paged_decode with those launch settings. ``--fp8`` stores the cache in e4m3 (paged only; GB/s counts 1 byte).
+and ``xqa_engine`` (the engine's FP8 decode: that kernel writing a dense q, then XQA) compare with ``triton`` and
+``paged``, which include those steps. ``paged_b<tokens>_w<warps>_s<stages>`` runs
+paged_decode with those launch settings. ``--fp8`` stores the cache in e4m3 (paged and xqa; GB/s counts 1 byte).
 """
 
 from __future__ import annotations
@@ -66,14 +67,23 @@ def cos_sin_table(a: argparse.Namespace, c: dict) -> torch.Tensor:
     return rope_cos_sin_cache(c["max_len"] + 1, rope_inv_freq(a.head_dim, 500000.0, None)).to(c["q"].device)
 
 
+def _stub_cache(a: argparse.Namespace, c: dict) -> object:
+    """A one-layer KVCache over the benchmark's pages, for the RoPE + KV-write kernel."""
+    from runtime.engine.kv_cache import KVCache
+
+    cache = KVCache.__new__(KVCache)
+    cache.buffer, cache.page_size = c["kv"][None], a.page_size
+    cache.fp8 = c["kv_scales"] is not None
+    cache.scales = (c["kv_scales"] if cache.fp8 else torch.ones(2, device=c["kv"].device)).view(1, 2)
+    return cache
+
+
 def with_rope(a: argparse.Namespace, c: dict, attend: Callable) -> Callable:
     """The engine's unfused layer: RoPE and the KV write, then ``attend(q)``."""
     from runtime.engine.attention.rope_store import rope_and_store
-    from runtime.engine.kv_cache import KVCache
 
     q, kv = qkv_views(a, c["qkv"].clone())  # rotated in place: a copy per implementation
-    cache = KVCache.__new__(KVCache)
-    cache.buffer, cache.page_size = c["kv"][None], a.page_size
+    cache = _stub_cache(a, c)
     cos_sin = cos_sin_table(a, c)
 
     def run() -> torch.Tensor:
@@ -152,18 +162,46 @@ def wrapper_impl(
     return lambda: w.run(c["q"], (c["k"], c["v"]), out=out)
 
 
-def xqa_impl(a: argparse.Namespace, c: dict, layout: str) -> Callable:
+def xqa_impl(a: argparse.Namespace, c: dict, layout: str, rope: bool = False) -> Callable:
+    """TensorRT-LLM's XQA decode kernel through flashinfer; over an e4m3 cache its Hopper FP8 kernel."""
     from flashinfer.decode import trtllm_batch_decode_with_kv_cache
 
     dev = c["q"].device
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
     seq_lens = c["lens"].to(dev)
     out = torch.empty_like(c["q"])
-    scale = a.head_dim**-0.5
-    return lambda: trtllm_batch_decode_with_kv_cache(
-        c["q"], (c["k"], c["v"]), ws, c["table"], seq_lens, c["max_len"], bmm1_scale=scale, out=out,
-        kv_layout=layout, backend="xqa",
-    )
+    k_scale, v_scale = c["kv_scales"].tolist() if c["kv_scales"] is not None else (1.0, 1.0)
+    scale = a.head_dim**-0.5 * k_scale
+
+    def attend(q: torch.Tensor) -> torch.Tensor:
+        return trtllm_batch_decode_with_kv_cache(  # it reads q as dense [batch, heads, dim]
+            q.contiguous(), (c["k"], c["v"]), ws, c["table"], seq_lens, c["max_len"], bmm1_scale=scale, bmm2_scale=v_scale,
+            out=out, kv_layout=layout, backend="xqa",
+        )
+
+    return with_rope(a, c, attend) if rope else (lambda: attend(c["q"]))
+
+
+def xqa_engine_impl(a: argparse.Namespace, c: dict) -> Callable:
+    """The engine's FP8 decode: our RoPE + KV write into a dense q, then XQA (runtime/engine/attention/xqa_decode.py)."""
+    from runtime.engine.attention.rope_store import rope_and_store
+    from runtime.engine.attention.xqa_decode import XqaDecode
+
+    dev = c["q"].device
+    q, kv = qkv_views(a, c["qkv"].clone())
+    cache = _stub_cache(a, c)
+    cos_sin = cos_sin_table(a, c)
+    xqa = XqaDecode(c["table"], a.batch, a.kv_heads, a.heads // a.kv_heads, a.head_dim)
+    rows = torch.arange(a.batch, device=dev)
+    k_scale, v_scale = cache.scales[0].tolist()
+
+    def run() -> torch.Tensor:
+        rotated = torch.empty(q.shape, dtype=q.dtype, device=dev)
+        rope_and_store(c["positions"], q, kv, cos_sin, cache, 0, c["out_loc"], q_out=rotated)
+        xqa.prepare(c["positions"], rows)
+        return xqa.attend(rotated, c["k"], c["v"], k_scale, v_scale)
+
+    return run
 
 
 def build(a: argparse.Namespace, impl: str, c: dict, layout: str) -> Callable:
@@ -180,9 +218,11 @@ def build(a: argparse.Namespace, impl: str, c: dict, layout: str) -> Callable:
         return wrapper_impl(a, c, layout, True, name, impl.endswith("_nosplit"), rope=rope,
                             split_size=int(split) if split else None)
     if impl == "xqa":
-        return xqa_impl(a, c, layout)
+        return xqa_impl(a, c, layout, rope)
+    if impl == "xqa_engine":
+        return xqa_engine_impl(a, c)
     raise ValueError(f"unknown --impls entry {impl!r} (cuda, tc_fa2, tc_fa3, tc_auto, tc_fa2_nosplit, tc_fa2_split<N>, xqa, "
-                     "with +rope; triton, triton_s<N>; paged, paged_b<N>_w<N>_s<N>)")
+                     "with +rope; triton, triton_s<N>; paged, paged_b<N>_w<N>_s<N>; xqa_engine)")
 
 
 def time_graph(fn: Callable) -> tuple[float, torch.Tensor]:
@@ -213,7 +253,7 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--impls", default="cuda,tc_fa2,tc_fa3,xqa")
     p.add_argument("--layouts", default="NHD,HND")
-    p.add_argument("--fp8", action="store_true", help="an e4m3 cache (paged_decode only)")
+    p.add_argument("--fp8", action="store_true", help="an e4m3 cache (paged_decode and xqa)")
     a = p.parse_args()
     dev = torch.device("cuda")
     print(f"batch {a.batch}, kv {a.kv_min}-{a.kv_max}, page {a.page_size}, heads {a.heads}/{a.kv_heads}x{a.head_dim}")
@@ -228,8 +268,10 @@ def main() -> None:
                 print(f"{impl:8} {layout}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
                 continue
             reference = out if reference is None else reference
-            err = (out.float() - reference.float()).abs().max().item()
-            print(f"{impl:8} {layout}: {us:8.1f} us  {kv_bytes / us / 1e3:6.0f} GB/s  max diff {err:.2e}")
+            diff = out.float() - reference.float()
+            rel = (diff.norm() / reference.float().norm()).item()
+            print(f"{impl:8} {layout}: {us:8.1f} us  {kv_bytes / us / 1e3:6.0f} GB/s  max diff {diff.abs().max():.2e}"
+                  f"  relative {rel:.1e}")
 
 
 if __name__ == "__main__":

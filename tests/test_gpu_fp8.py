@@ -1,7 +1,8 @@
 """FP8 on the GPU (`pytest -m gpu`): the activation quantiser against torch's, the scaled GEMM and the FP8
 GEMV against float64 on the dequantised operands at the 8B shape's widths, the FP8 KV cache's write and
-decode kernels against float64, and a random Llama-3.2-1B-shaped model with FP8 weights and/or an FP8 KV
-cache: CUDA-graph decode against eager decode, and prefill, chunked prefill and decode reading one cache."""
+decode kernels (ours and XQA) against float64, and a random Llama-3.2-1B-shaped model with FP8 weights and/or
+an FP8 KV cache: CUDA-graph decode against eager decode, and prefill, chunked prefill and decode reading one
+cache."""
 
 from __future__ import annotations
 
@@ -120,17 +121,65 @@ def test_fp8_kv_decode_kernels_against_float64(heads, kv_heads, dim, positions):
         assert torch.equal(flat[1, case["out_loc"]].cpu().view(torch.uint8), v_ref.view(torch.uint8)), name
 
 
+def on_hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(not on_hopper(), reason="XQA's FP8 kernel runs on Hopper")
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "positions"),
+                         [(32, 8, 128, [0, 15, 16, 700, 1999]), (32, 8, 64, [257, 40]), (64, 8, 128, [1500, 3])])
+def test_xqa_fp8_decode_against_float64(heads, kv_heads, dim, positions):
+    """XQA over an e4m3 cache with distinct K and V scales, after our RoPE + KV write into a dense q, against
+    float64 over the dequantised cache: within e4m3's unit roundoff (2^-4), the rounding XQA applies to q and
+    the probabilities; the new V written bit for bit."""
+    from runtime.engine.attention.rope_store import rope_and_store
+    from runtime.engine.attention.xqa_decode import XqaDecode
+    from tests.test_split_decode import make_case, reference
+
+    case = make_case(heads, kv_heads, dim, positions, 16, torch.bfloat16, device="cuda", seed=7, kv_fp8=True)
+    ref, _, v_ref = reference(case)
+    cache = case["cache"]
+    xqa = XqaDecode(case["table"], case["table"].shape[0], kv_heads, heads // kv_heads, dim)
+    rotated = torch.empty_like(case["q"])
+    rope_and_store(case["pos"], case["q"], case["kv"], case["cos_sin"], cache, 0, case["out_loc"], q_out=rotated)
+    xqa.prepare(case["pos"], case["rows"])
+    out = xqa.attend(rotated, cache.k(0), cache.v(0), *cache.scales[0].tolist()).reshape(len(positions), -1)
+    rel = float((out.double().cpu() - ref).norm() / ref.norm())
+    print(f"XQA against float64: {rel:.3e}")
+    assert rel < 2**-4, rel
+    flat = cache.buffer[0].reshape(2, -1, kv_heads, dim)
+    assert torch.equal(flat[1, case["out_loc"]].cpu().view(torch.uint8), v_ref.view(torch.uint8))
+
+
 @functools.cache  # the bf16 reference serves several tests
 def _engine_logits(overrides: tuple[str, ...], use_graph: bool, chunk: int | None = None,
-                   decode_tail: int = 0) -> list[torch.Tensor]:
+                   decode_tail: int = 0, xqa: bool = True) -> list[torch.Tensor]:
+    """An FP8 cache decodes these few requests on XQA (on Hopper), or with ``xqa=False`` on the exact kernels
+    (paged_decode): the batch-size rule between them is for speed, and would pick the latter here."""
+    from runtime.engine.attention import flashinfer_backend
+
+    saved = flashinfer_backend.XQA_MIN_BATCH
+    flashinfer_backend.XQA_MIN_BATCH = 2 if xqa else 1 << 30
+    try:
+        return _run_engine(overrides, use_graph, chunk, decode_tail, xqa)
+    finally:
+        flashinfer_backend.XQA_MIN_BATCH = saved
+
+
+def _run_engine(overrides: tuple[str, ...], use_graph: bool, chunk: int | None, decode_tail: int,
+                xqa: bool) -> list[torch.Tensor]:
     cfg = ["engine.device=cuda", "model.path=configs/models/llama-3.2-1b", "model.random_weights=true",
            "model.max_seq_len=512", "scheduler.max_running_requests=8", *overrides]
     llm = LLM(overrides=cfg)
     engine = llm.engine
     assert engine.graph_runner is not None
     quantized = "model.quantization=fp8" in overrides
+    kv_fp8 = "cache.dtype=fp8_e4m3" in overrides
     assert (engine.model.model.layers[0].mlp.down_proj.weight.dtype == fp8.FP8) == quantized
-    assert (engine.kv_cache.buffer.dtype == fp8.FP8) == ("cache.dtype=fp8_e4m3" in overrides)
+    assert (engine.kv_cache.buffer.dtype == fp8.FP8) == kv_fp8
+    # On Hopper an FP8 cache must really decode on XQA (a build failure falls back, and would hide here).
+    assert (engine.attn_backend.xqa is not None) == (kv_fp8 and on_hopper())
+    assert bool(engine.attn_backend.xqa_graphs) == (kv_fp8 and on_hopper() and xqa)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 10000, (n,), generator=gen).tolist() for n in (5, 60, 130)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True))
@@ -159,14 +208,30 @@ def test_fp8_model_graph_decode_equals_eager(fp8_overrides):
 
 
 def test_fp8_kv_prefill_chunked_prefill_and_decode_read_one_cache():
-    """Prefill (flashinfer over the widened pages), 16-token chunks and graph decode (the Triton kernels over
-    e4m3) attend over the same cached values: they agree to bf16 noise, far inside FP8's distance from bf16."""
+    """Prefill (flashinfer over the widened pages), 16-token chunks and graph decode with the exact kernels (the
+    Triton kernels over e4m3) attend over the same cached values: they agree to bf16 noise, far inside FP8's
+    distance from bf16."""
     kv = ("model.quantization=none", "cache.dtype=fp8_e4m3")
     whole = _engine_logits(kv, False)
     chunked = _engine_logits(kv, False, chunk=16)
-    decoded = _engine_logits(kv, True, decode_tail=8)
+    decoded = _engine_logits(kv, True, decode_tail=8, xqa=False)
     bf16 = _engine_logits(("model.quantization=none",), False)
     for w, c, d, b in zip(whole, chunked, decoded, bf16):
         errors = relative_error(c, w), relative_error(d, w), relative_error(w, b)
         print("chunked, decoded vs prefill; FP8 KV vs bf16:", [f"{e:.3e}" for e in errors])
         assert max(errors[:2]) < 0.5 * errors[2] and errors[2] > 1e-3
+
+
+@pytest.mark.skipif(not on_hopper(), reason="XQA's FP8 kernel runs on Hopper")
+def test_fp8_kv_xqa_decode_costs_less_than_the_cache():
+    """Graph decode on XQA reads the same cache as prefill; its own rounding of q and the probabilities to e4m3
+    moves the logits less than storing the cache in e4m3 moved them from bf16."""
+    kv = ("model.quantization=none", "cache.dtype=fp8_e4m3")
+    whole = _engine_logits(kv, False)
+    decoded = _engine_logits(kv, True, decode_tail=8)
+    exact = _engine_logits(kv, True, decode_tail=8, xqa=False)
+    bf16 = _engine_logits(("model.quantization=none",), False)
+    for w, d, e, b in zip(whole, decoded, exact, bf16):
+        errors = relative_error(d, w), relative_error(e, w), relative_error(w, b)
+        print("XQA decode, exact decode vs prefill; FP8 KV vs bf16:", [f"{x:.3e}" for x in errors])
+        assert errors[1] < errors[0] < errors[2]

@@ -1,10 +1,13 @@
 """flashinfer paged attention (GPU), plus the Triton decode kernels for CUDA graphs.
 
-An FP8 KV cache decodes with the Triton kernels only (they read e4m3); prefill runs flashinfer's bf16 kernel
-on a copy of the batch's pages widened to the model dtype (exact), made per layer: prefill is bound by its
-GEMMs, and the copy is a small share of a prefill step."""
+An FP8 KV cache decodes batches on XQA where it runs (xqa_decode.py), else and for one request with the Triton
+kernels (they read e4m3); prefill runs flashinfer's bf16 kernel on a copy of the batch's pages widened to the
+model dtype (exact), made per layer: prefill is bound by its GEMMs, and the copy is a small share of a prefill
+step."""
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import torch
@@ -14,8 +17,11 @@ from runtime.batch import Batch
 from runtime.engine.attention import paged_decode as pd
 from runtime.engine.attention import split_decode as sd
 from runtime.engine.attention.rope_store import rope_and_store
+from runtime.engine.attention.xqa_decode import XqaDecode, unsupported_reason
 from runtime.engine.kv_cache import KVCache
 from runtime.utils import concat_ranges, host_to_device
+
+log = logging.getLogger(__name__)
 
 WORKSPACE_BYTES = 128 << 20
 # flashinfer's tensor-core decode (fa2) from this batch up; the CUDA-core kernel exists only for these GQA groups.
@@ -23,6 +29,9 @@ TENSOR_CORE_DECODE_MIN_BATCH = 4
 CUDA_CORE_GROUP_SIZES = (1, 2, 3, 4, 8)
 SPLIT_DECODE_MAX_BATCH = 1
 PAGED_DECODE_MIN_BATCH = 2
+# An FP8 cache decodes on XQA from this batch up; below it paged_decode is faster
+# (scripts/bench_attention.py --fp8 --impls paged,xqa_engine --batch N).
+XQA_MIN_BATCH = 32
 # Graph-mode fa2 plans always split the KV, which can overflow the workspace: ``prepare`` disables the split.
 PREFILL_BACKEND = "auto"
 
@@ -92,6 +101,30 @@ class FlashInferBackend:
         if self.kv_fp8:
             self.staged_pages: torch.Tensor | None = None  # a prefill's pages, in flashinfer's order
             self.host_scales = kv_cache.scales.tolist()  # flashinfer takes the K and V scales as floats
+        self.xqa = self._load_xqa() if self.kv_fp8 and not deterministic else None
+        self.xqa_graphs: set[int] = set()
+        self.decode_on_xqa = False
+
+    def _load_xqa(self) -> XqaDecode | None:
+        """XQA for this model's FP8 cache, built on first use (flashinfer's JIT cache) and run once here, so a
+        kernel that cannot build or run falls back to paged_decode before any graph captures it."""
+        hq, hkv, dim = self.heads
+        reason = unsupported_reason(self.device, hq, hkv, dim, self.kv_cache.page_size, self.dtype)
+        if reason is not None:
+            log.info("FP8 KV cache: batches decode with paged_decode (%s)", reason)
+            return None
+        try:
+            xqa = XqaDecode(self.page_table, self.page_table.shape[0], hkv, hq // hkv, dim)
+            xqa.prepare(torch.zeros(1, dtype=torch.int64, device=self.device),
+                        torch.zeros(1, dtype=torch.int64, device=self.device))
+            xqa.attend(torch.zeros(1, hq, dim, dtype=self.dtype, device=self.device), self.kv_cache.k(0),
+                       self.kv_cache.v(0), *self.host_scales[0])
+            torch.cuda.synchronize(self.device)
+        except Exception as exc:  # noqa: BLE001 - any failure to build or run means the exact kernel instead
+            log.warning("FP8 KV cache: XQA is unavailable (%s: %s); batches decode with paged_decode, slower",
+                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            return None
+        return xqa
 
     def decode_uses_tensor_cores(self, batch_size: int) -> bool:
         return batch_size >= TENSOR_CORE_DECODE_MIN_BATCH or not self.cuda_cores_allowed
@@ -123,6 +156,10 @@ class FlashInferBackend:
 
     def prepare(self, batch: Batch, wrapper: object | None = None) -> None:
         self.split = self.paged = None
+        self.decode_on_xqa = self.xqa is not None and batch.is_decode and batch.size >= XQA_MIN_BATCH
+        if self.decode_on_xqa:
+            self.active = None
+            return
         if (self.deterministic or self.kv_fp8) and batch.is_decode:
             self.active, self.paged = None, self.eager_paged
             return
@@ -160,6 +197,13 @@ class FlashInferBackend:
             chunk, chunks, workspace, counters = self.paged
             return pd.paged_decode(q, kv, batch.positions, batch.req_rows, batch.out_loc, cos_sin, self.page_table,
                                    cache, workspace, counters, chunk, chunks, scales)
+        if self.decode_on_xqa:
+            if layer_id == 0:  # once a step: layers run in order, and a graph captures this with them
+                self.xqa.prepare(batch.positions, batch.req_rows)
+            rotated = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # XQA reads q dense
+            rope_and_store(batch.positions, q, kv, cos_sin, self.kv_cache, layer_id, batch.out_loc, q_out=rotated)
+            return self.xqa.attend(rotated, self.kv_cache.k(layer_id), self.kv_cache.v(layer_id),
+                                   *self.host_scales[layer_id])
         rope_and_store(batch.positions, q, kv, cos_sin, self.kv_cache, layer_id, batch.out_loc)
         if self.kv_fp8:
             k_scale, v_scale = self.host_scales[layer_id]
@@ -176,6 +220,9 @@ class FlashInferBackend:
         if bs <= SPLIT_DECODE_MAX_BATCH and sd.supports(dim):
             splits = sd.num_splits(bs, hkv, hq // hkv, dim, max_pages_per_req * self.kv_cache.page_size)
             self.split_graphs[bs] = splits, sd.new_workspace(bs, hkv, hq // hkv, dim, splits, dev)
+            return
+        if self.xqa is not None and bs >= XQA_MIN_BATCH:
+            self.xqa_graphs.add(bs)
             return
         if bs >= PAGED_DECODE_MIN_BATCH and pd.supports(hq, hkv, dim, self.dtype):
             max_len = max_pages_per_req * self.kv_cache.page_size
@@ -217,6 +264,10 @@ class FlashInferBackend:
 
     def prepare_graph(self, batch: Batch) -> None:
         self.split = self.paged = None
+        self.decode_on_xqa = batch.is_decode and batch.padded_size in self.xqa_graphs
+        if self.decode_on_xqa:
+            self.active = None
+            return
         if not batch.is_decode:
             self.prepare(batch, self.graph_prefill[batch.padded_size])
             return

@@ -25,8 +25,8 @@ if triton is not None:
 
     @triton.jit
     def _rope_store(
-        q_ptr, q_stride, kv_ptr, kv_stride, pos_ptr, cos_sin_ptr, loc_ptr, cache_ptr, plane_stride, scale_ptr,
-        HQ: tl.constexpr, HKV: tl.constexpr, HQ_P2: tl.constexpr, HKV_P2: tl.constexpr, HALF: tl.constexpr,
+        q_ptr, q_stride, q_out_ptr, q_out_stride, kv_ptr, kv_stride, pos_ptr, cos_sin_ptr, loc_ptr, cache_ptr,
+        plane_stride, scale_ptr, HQ: tl.constexpr, HKV: tl.constexpr, HQ_P2: tl.constexpr, HKV_P2: tl.constexpr, HALF: tl.constexpr,
         FP8: tl.constexpr,
     ):
         t = tl.program_id(0)
@@ -37,7 +37,8 @@ if triton is not None:
         k_scale, v_scale = load_scales(scale_ptr, FP8)
         hq = tl.arange(0, HQ_P2)[:, None]
         q = q_ptr + t.to(tl.int64) * q_stride + hq * (2 * HALF) + dims
-        _rotate(q, cos, sin, q, q + HALF, hq < HQ, HALF, 1.0, False)
+        q_out = q_out_ptr + t.to(tl.int64) * q_out_stride + hq * (2 * HALF) + dims
+        _rotate(q, cos, sin, q_out, q_out + HALF, hq < HQ, HALF, 1.0, False)
         hk = tl.arange(0, HKV_P2)[:, None]
         k = kv_ptr + t.to(tl.int64) * kv_stride + hk * (2 * HALF) + dims
         v = k + HKV * 2 * HALF
@@ -51,9 +52,10 @@ if triton is not None:
 
 def rope_and_store(
     positions: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, cos_sin: torch.Tensor, kv_cache: KVCache,
-    layer: int, out_loc: torch.Tensor,
+    layer: int, out_loc: torch.Tensor, q_out: torch.Tensor | None = None,
 ) -> None:
-    """Rotate ``q`` in place and K of ``kv``, and write K and V to ``out_loc``; heads and dims must be dense."""
+    """Rotate ``q`` (into ``q_out`` if given, else in place) and K of ``kv``, and write K and V to ``out_loc``;
+    heads and dims must be dense."""
     tokens, heads, dim = q.shape
     kv_heads = kv.shape[2]
     if triton is None:
@@ -63,10 +65,14 @@ def rope_and_store(
             positions, q.view(tokens, -1), kv[:, 0].view(tokens, -1), dim, cos_sin, is_neox=True
         )
         kv_cache.store(layer, out_loc, kv)
+        if q_out is not None:
+            q_out.copy_(q)
         return
     cache = kv_cache.buffer[layer]
+    q_out = q if q_out is None else q_out
     _rope_store[(tokens,)](
-        q, q.stride(0), kv, kv.stride(0), positions, cos_sin, out_loc, cache, cache.stride(0), kv_cache.scales[layer],
+        q, q.stride(0), q_out, q_out.stride(0), kv, kv.stride(0), positions, cos_sin, out_loc, cache, cache.stride(0),
+        kv_cache.scales[layer],
         HQ=heads, HKV=kv_heads, HQ_P2=triton.next_power_of_2(heads), HKV_P2=triton.next_power_of_2(kv_heads),
         HALF=dim // 2, FP8=kv_cache.fp8, num_warps=4,
     )
