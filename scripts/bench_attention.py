@@ -220,6 +220,8 @@ def build(a: argparse.Namespace, impl: str, c: dict, layout: str) -> Callable:
     if impl == "xqa":
         return xqa_impl(a, c, layout, rope)
     if impl == "xqa_engine":
+        if layout != "NHD":
+            raise ValueError("xqa_engine reads the engine's NHD pages (--layouts NHD)")
         return xqa_engine_impl(a, c)
     raise ValueError(f"unknown --impls entry {impl!r} (cuda, tc_fa2, tc_fa3, tc_auto, tc_fa2_nosplit, tc_fa2_split<N>, xqa, "
                      "with +rope; triton, triton_s<N>; paged, paged_b<N>_w<N>_s<N>; xqa_engine)")

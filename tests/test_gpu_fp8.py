@@ -192,15 +192,20 @@ def _run_engine(overrides: tuple[str, ...], use_graph: bool, chunk: int | None, 
     return logits
 
 
-@pytest.mark.parametrize("fp8_overrides", [("model.quantization=fp8",), ("cache.dtype=fp8_e4m3",),
-                                           ("model.quantization=fp8", "cache.dtype=fp8_e4m3")],
-                         ids=["weights", "kv", "both"])
-def test_fp8_model_graph_decode_equals_eager(fp8_overrides):
+_KV = ("cache.dtype=fp8_e4m3",)
+_BOTH = ("model.quantization=fp8", "cache.dtype=fp8_e4m3")
+
+
+@pytest.mark.parametrize(("fp8_overrides", "xqa"), [(("model.quantization=fp8",), True), (_KV, True), (_KV, False),
+                                                    (_BOTH, True), (_BOTH, False)],
+                         ids=["weights", "kv", "kv-exact", "both", "both-exact"])
+def test_fp8_model_graph_decode_equals_eager(fp8_overrides, xqa):
     """CUDA-graph decode against eager decode (different kernels: FP8 rounding of the activations turns their
-    last-bit differences into visible ones), within FP8's own distance from the bf16 model."""
+    last-bit differences into visible ones), within FP8's own distance from the bf16 model; an FP8 cache's
+    batches on XQA, or (``-exact``) on paged_decode, eagerly and in graphs alike."""
     bf16 = _engine_logits(("model.quantization=none",), False, decode_tail=8)
-    eager = _engine_logits(fp8_overrides, False, decode_tail=8)
-    graph = _engine_logits(fp8_overrides, True, decode_tail=8)
+    eager = _engine_logits(fp8_overrides, False, decode_tail=8, xqa=xqa)
+    graph = _engine_logits(fp8_overrides, True, decode_tail=8, xqa=xqa)
     for g, e, b in zip(graph, eager, bf16):
         graph_err, fp8_err = relative_error(g, e), relative_error(e, b)
         print(f"graph vs eager {graph_err:.3e}; FP8 vs bf16 {fp8_err:.3e}")

@@ -29,7 +29,7 @@ TENSOR_CORE_DECODE_MIN_BATCH = 4
 CUDA_CORE_GROUP_SIZES = (1, 2, 3, 4, 8)
 SPLIT_DECODE_MAX_BATCH = 1
 PAGED_DECODE_MIN_BATCH = 2
-# An FP8 cache decodes on XQA from this batch up; below it paged_decode is faster
+# An FP8 cache decodes on XQA from this batch (a graph's padded size) up; below it paged_decode is faster
 # (scripts/bench_attention.py --fp8 --impls paged,xqa_engine --batch N).
 XQA_MIN_BATCH = 32
 # Graph-mode fa2 plans always split the KV, which can overflow the workspace: ``prepare`` disables the split.
