@@ -175,15 +175,15 @@ def xqa_impl(a: argparse.Namespace, c: dict, layout: str, rope: bool = False) ->
 
     def attend(q: torch.Tensor) -> torch.Tensor:
         return trtllm_batch_decode_with_kv_cache(  # it reads q as dense [batch, heads, dim]
-            q.contiguous(), (c["k"], c["v"]), ws, c["table"], seq_lens, c["max_len"], bmm1_scale=scale, bmm2_scale=v_scale,
-            out=out, kv_layout=layout, backend="xqa",
+            q.contiguous(), (c["k"], c["v"]), ws, c["table"], seq_lens, c["max_len"], bmm1_scale=scale,
+            bmm2_scale=v_scale, out=out, kv_layout=layout, backend="xqa",
         )
 
     return with_rope(a, c, attend) if rope else (lambda: attend(c["q"]))
 
 
 def xqa_engine_impl(a: argparse.Namespace, c: dict) -> Callable:
-    """The engine's FP8 decode: our RoPE + KV write into a dense q, then XQA (runtime/engine/attention/xqa_decode.py)."""
+    """The engine's FP8 decode: our RoPE + KV write into a dense q, then XQA (attention/xqa_decode.py)."""
     from runtime.engine.attention.rope_store import rope_and_store
     from runtime.engine.attention.xqa_decode import XqaDecode
 

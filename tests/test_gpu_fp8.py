@@ -194,6 +194,8 @@ def _run_engine(overrides: tuple[str, ...], use_graph: bool, chunk: int | None, 
 
 _KV = ("cache.dtype=fp8_e4m3",)
 _BOTH = ("model.quantization=fp8", "cache.dtype=fp8_e4m3")
+_KV_BF16_WEIGHTS = ("model.quantization=none", "cache.dtype=fp8_e4m3")
+_BF16 = ("model.quantization=none",)
 
 
 @pytest.mark.parametrize(("fp8_overrides", "xqa"), [(("model.quantization=fp8",), True), (_KV, True), (_KV, False),
@@ -203,7 +205,7 @@ def test_fp8_model_graph_decode_equals_eager(fp8_overrides, xqa):
     """CUDA-graph decode against eager decode (different kernels: FP8 rounding of the activations turns their
     last-bit differences into visible ones), within FP8's own distance from the bf16 model; an FP8 cache's
     batches on XQA, or (``-exact``) on paged_decode, eagerly and in graphs alike."""
-    bf16 = _engine_logits(("model.quantization=none",), False, decode_tail=8)
+    bf16 = _engine_logits(_BF16, False, decode_tail=8)
     eager = _engine_logits(fp8_overrides, False, decode_tail=8, xqa=xqa)
     graph = _engine_logits(fp8_overrides, True, decode_tail=8, xqa=xqa)
     for g, e, b in zip(graph, eager, bf16):
@@ -216,11 +218,10 @@ def test_fp8_kv_prefill_chunked_prefill_and_decode_read_one_cache():
     """Prefill (flashinfer over the widened pages), 16-token chunks and graph decode with the exact kernels (the
     Triton kernels over e4m3) attend over the same cached values: they agree to bf16 noise, far inside FP8's
     distance from bf16."""
-    kv = ("model.quantization=none", "cache.dtype=fp8_e4m3")
-    whole = _engine_logits(kv, False)
-    chunked = _engine_logits(kv, False, chunk=16)
-    decoded = _engine_logits(kv, True, decode_tail=8, xqa=False)
-    bf16 = _engine_logits(("model.quantization=none",), False)
+    whole = _engine_logits(_KV_BF16_WEIGHTS, False)
+    chunked = _engine_logits(_KV_BF16_WEIGHTS, False, chunk=16)
+    decoded = _engine_logits(_KV_BF16_WEIGHTS, True, decode_tail=8, xqa=False)
+    bf16 = _engine_logits(_BF16, False)
     for w, c, d, b in zip(whole, chunked, decoded, bf16):
         errors = relative_error(c, w), relative_error(d, w), relative_error(w, b)
         print("chunked, decoded vs prefill; FP8 KV vs bf16:", [f"{e:.3e}" for e in errors])
@@ -231,11 +232,10 @@ def test_fp8_kv_prefill_chunked_prefill_and_decode_read_one_cache():
 def test_fp8_kv_xqa_decode_costs_less_than_the_cache():
     """Graph decode on XQA reads the same cache as prefill; its own rounding of q and the probabilities to e4m3
     moves the logits less than storing the cache in e4m3 moved them from bf16."""
-    kv = ("model.quantization=none", "cache.dtype=fp8_e4m3")
-    whole = _engine_logits(kv, False)
-    decoded = _engine_logits(kv, True, decode_tail=8)
-    exact = _engine_logits(kv, True, decode_tail=8, xqa=False)
-    bf16 = _engine_logits(("model.quantization=none",), False)
+    whole = _engine_logits(_KV_BF16_WEIGHTS, False)
+    decoded = _engine_logits(_KV_BF16_WEIGHTS, True, decode_tail=8)
+    exact = _engine_logits(_KV_BF16_WEIGHTS, True, decode_tail=8, xqa=False)
+    bf16 = _engine_logits(_BF16, False)
     for w, d, e, b in zip(whole, decoded, exact, bf16):
         errors = relative_error(d, w), relative_error(e, w), relative_error(w, b)
         print("XQA decode, exact decode vs prefill; FP8 KV vs bf16:", [f"{x:.3e}" for x in errors])
