@@ -303,11 +303,15 @@ class RowParallelLinear(_Linear):
 class RMSNorm(nn.Module):
     """RMSNorm that can also add the residual first: ``(norm(x + r), x + r)``."""
 
-    def __init__(self, dim: int, eps: float, kernels: Kernels = TORCH_KERNELS) -> None:
+    def __init__(self, dim: int, eps: float, kernels: Kernels = TORCH_KERNELS, quantize: bool = False) -> None:
+        """``quantize``: an FP8 GEMM reads the output, so the residual-add path returns it quantised
+        (``fp8.QuantizedRows``) where the kernels can; the first layer's norm, with no residual, does not."""
         super().__init__()
         self.eps = eps
         self.weight = new_param(dim, loader=load_replicated)
         self.norm, self.add_norm = kernels.rms_norm, kernels.add_rms_norm
+        if quantize and kernels.add_rms_norm_quantize is not None:
+            self.add_norm = kernels.add_rms_norm_quantize
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:

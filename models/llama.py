@@ -20,6 +20,7 @@ from models.layers import (
 )
 from models.moe import SparseMoE
 from models.ops import TORCH_KERNELS, Kernels
+from parallel import get_tp
 
 
 class LlamaAttention(nn.Module):
@@ -67,6 +68,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: Kernels) -> None:
         super().__init__()
         self.silu_and_mul = kernels.silu_and_mul
+        # At TP > 1 down_proj's token scales come from whole rows over the ranks, so it quantises its own input.
+        if cfg.fp8 and kernels.silu_and_mul_quantize is not None and get_tp().size == 1:
+            self.silu_and_mul = kernels.silu_and_mul_quantize
         size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], cfg.mlp_bias, kernels.linear,
                                                        cfg.fp8)
@@ -80,9 +84,11 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, kernels: Kernels) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, kernels)
-        self.mlp = SparseMoE(cfg, kernels) if cfg.is_sparse(layer_id) else LlamaMLP(cfg, kernels)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        sparse = cfg.is_sparse(layer_id)
+        self.mlp = SparseMoE(cfg, kernels) if sparse else LlamaMLP(cfg, kernels)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels, quantize=cfg.fp8)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels,
+                                                quantize=cfg.fp8 and not sparse)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor

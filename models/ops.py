@@ -86,6 +86,10 @@ class Kernels:
     linear: Callable[..., torch.Tensor] = F.linear
     fused_gemv: bool = False
     fused_moe: bool = False  # models/fused_moe.py's Triton kernels for the experts (CUDA)
+    # Norm and SiLU x mul that quantise their output for the next FP8 GEMM in the same pass (CUDA); without
+    # them each FP8 GEMM quantises its own input.
+    add_rms_norm_quantize: Callable[..., tuple[Any, torch.Tensor]] | None = None
+    silu_and_mul_quantize: Callable[[torch.Tensor], Any] | None = None
 
 
 TORCH_KERNELS = Kernels(_rms_norm_torch, _add_rms_norm_torch, _silu_and_mul_torch)

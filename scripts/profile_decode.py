@@ -1,6 +1,6 @@
 """Profile a short benchmark run with the torch profiler: where does GPU time go?
 
-    python scripts/profile_decode.py --config configs/bench/llama-3.2-1b.yaml [key=value ...]
+    python scripts/profile_decode.py --config configs/bench/llama-3.2-1b.yaml [--phase prefill] [key=value ...]
 """
 
 from __future__ import annotations
@@ -72,22 +72,31 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--trace", default=None, help="write a chrome trace here")
     parser.add_argument("--rows", type=int, default=30, help="kernels in the table")
+    parser.add_argument("--phase", choices=("decode", "prefill"), default="decode",
+                        help="profile decode steps, or the prefill steps of the requests' prompts")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     cfg = load_bench_config(args.config, args.overrides)
     llm = LLM(config=cfg)
     prompts, _ = workload(cfg, fixed=True, n=args.requests)
     params = SamplingParams(temperature=cfg.bench.temperature, max_new_tokens=args.new_tokens, ignore_eos=True)
+    one_token = SamplingParams(temperature=cfg.bench.temperature, max_new_tokens=1, ignore_eos=True)
     llm.generate(prompts[:8], params)
-    # Prefill first, outside the profile, so the window holds decode steps.
-    llm.generate(prompts, SamplingParams(temperature=cfg.bench.temperature, max_new_tokens=1, ignore_eos=True))
+    if args.phase == "prefill":
+        # Warm the prefill shapes on other token ids, so the profiled prompts find nothing in the prefix cache.
+        llm.generate([[(t + 1) % cfg.bench.token_id_limit for t in p] for p in prompts], one_token)
+        steps = -(-sum(map(len, prompts)) // cfg.scheduler.max_prefill_tokens)
+    else:
+        # Prefill first, outside the profile, so the window holds decode steps.
+        llm.generate(prompts, one_token)
+        steps = args.new_tokens
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
-        llm.generate(prompts, params)
+        llm.generate(prompts, one_token if args.phase == "prefill" else params)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows))
-    print(gpu_timeline(prof, args.new_tokens))
-    print(critical_path(prof, args.new_tokens, llm.model_config.num_layers))
+    print(gpu_timeline(prof, steps))
+    print(critical_path(prof, steps, llm.model_config.num_layers))
     if args.trace:
         prof.export_chrome_trace(args.trace)
     return 0

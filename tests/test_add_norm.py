@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import add_norm
+from models import add_norm, fp8
 from models.ops import TORCH_KERNELS
 
 
@@ -39,3 +39,20 @@ def test_launch_shape_takes_one_row_a_program_for_decode_steps():
     assert add_norm.launch_shape(256, 576) == (1, 1024, 4)
     assert add_norm.launch_shape(16384, 4096) == (4, 4096, 8)
     assert add_norm.launch_shape(8, 64) == (1, 64, 1)
+
+
+@pytest.mark.parametrize(("rows", "hidden"), [(5, 576), (1030, 40)])
+def test_quantizing_variant_keeps_the_residual_and_scales_of_the_unfused_path(rows, hidden):
+    """The FP8 variant writes the same residual and, per token, the scale that quantising the normed row gives;
+    x stays as it was. (The interpreter rounds to e4m3 its own way: the values are checked on the GPU.)"""
+    gen = torch.Generator().manual_seed(rows + hidden)
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(torch.float16)
+    residual = torch.randn(rows, hidden, generator=gen).to(torch.float16)
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(torch.float16)
+    ref_x, ref_residual = add_norm.add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
+    before = x.clone()
+    got, got_residual = add_norm.add_rms_norm_quantize(x, residual, weight, 1e-5)
+    assert torch.equal(x, before)
+    assert torch.equal(got_residual, ref_residual)
+    assert got.values.shape == (rows, hidden) and got.dtype == torch.float16
+    assert torch.equal(got.scale, fp8.quantize_rows(ref_x)[1])

@@ -11,7 +11,8 @@ import functools
 import pytest
 import torch
 
-from models import fp8
+from models import add_norm, fp8
+from models.ops import FLASHINFER_KERNELS
 from runtime import LLM, SamplingParams
 from tests.helpers import prefill_logits, relative_error
 
@@ -32,6 +33,56 @@ def test_quantize_rows_kernel_equals_the_torch_path(width):
         assert torch.equal(values.cpu().view(torch.uint8), ref_values.view(torch.uint8))
 
 
+def assert_same_quantization(got: fp8.QuantizedRows, values: torch.Tensor, scale: torch.Tensor,
+                             exact_share: float) -> None:
+    """The scales equal; the values equal but for a share of ties one e4m3 step apart (a rounding of the
+    model-dtype activation can differ where another kernel computes an exp or sums in another order)."""
+    assert got.values.dtype == fp8.FP8 and got.scale.dtype == torch.float32
+    torch.testing.assert_close(got.scale, scale, rtol=2**-7, atol=0)
+    a, b = got.values.float(), values.float()
+    assert float((a == b).float().mean()) >= exact_share
+    assert torch.all((a - b).abs() <= b.abs() * 2**-3 + 2**-9)
+
+
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 4096), (37, 4096), (1030, 8192), (5, 576)])
+def test_add_rms_norm_quantize_equals_the_unfused_kernels(rows, hidden):
+    """Residual add, RMSNorm and per-token quantisation in one pass against the norm kernel, then the quantiser."""
+    gen = torch.Generator(device="cuda").manual_seed(rows + hidden)
+    x = (torch.randn(rows, hidden, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+    residual = torch.randn(rows, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    weight = (torch.rand(hidden, device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
+    ref_x, ref_residual = add_norm.add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
+    ref_values, ref_scale = fp8.quantize_rows(ref_x)
+    before = x.clone()
+    got, got_residual = add_norm.add_rms_norm_quantize(x, residual, weight, 1e-5)
+    assert torch.equal(x, before) and got_residual.data_ptr() == residual.data_ptr()
+    assert torch.equal(got_residual, ref_residual)
+    assert_same_quantization(got, ref_values, ref_scale, exact_share=1.0)
+
+
+@pytest.mark.parametrize(("rows", "n"), [(1, 14336), (300, 14336), (16, 28672), (9, 1536)])
+def test_silu_mul_quantize_equals_the_unfused_kernels(rows, n):
+    """SiLU x mul and per-token quantisation in one pass against flashinfer's SiLU x mul, then the quantiser."""
+    gen = torch.Generator(device="cuda").manual_seed(rows + n)
+    x = (torch.randn(rows, 2 * n, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+    ref_values, ref_scale = fp8.quantize_rows(FLASHINFER_KERNELS.silu_and_mul(x))
+    got = fp8.silu_mul_quantize(x)
+    assert got.dtype == torch.bfloat16
+    assert_same_quantization(got, ref_values, ref_scale, exact_share=0.999)
+
+
+@pytest.mark.parametrize(("page_size", "heads", "dim"), [(16, 8, 128), (16, 5, 64), (1, 2, 64)])
+def test_widen_pages_equals_gather_then_convert(page_size, heads, dim):
+    """Prefill's widened copy of an FP8 layer's pages: the gathered e4m3 values, exactly, in the model dtype."""
+    from runtime.engine.attention.kv_fp8 import widen_pages
+
+    gen = torch.Generator(device="cuda").manual_seed(page_size * heads)
+    cache = torch.randn(2, 300, page_size, heads, dim, device="cuda", generator=gen).mul(40).to(fp8.FP8)
+    pages = torch.randperm(300, device="cuda", generator=gen)[:77].to(torch.int32)
+    assert torch.equal(widen_pages(cache, pages, torch.bfloat16), cache[:, pages.long()].to(torch.bfloat16))
+    assert widen_pages(cache, pages[:0], torch.bfloat16).shape == (2, 0, page_size, heads, dim)
+
+
 @pytest.mark.parametrize("rows", [1, 7, 256, 2048])
 @pytest.mark.parametrize("out_features,in_features", [(6144, 4096), (4096, 14336)])
 def test_fp8_gemm_against_float64(rows, out_features, in_features):
@@ -43,7 +94,7 @@ def test_fp8_gemm_against_float64(rows, out_features, in_features):
     xq, xs = fp8.quantize_rows(x)
     ref = fp8.dequantize_rows(xq, xs).double() @ fp8.dequantize_rows(values, scale).double().T
     assert out.dtype == torch.bfloat16
-    assert relative_error(out, ref) <= 1e-2  # bf16 output rounding; the operands are exact in float64
+    assert relative_error(out, ref) <= 1e-2  # bf16 output rounding, fast accumulation; float64 operands exact
 
 
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (14336, 4096), (4096, 14336), (3072, 2048)])

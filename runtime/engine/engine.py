@@ -109,7 +109,10 @@ class Engine:
         kernels = FLASHINFER_KERNELS if use_fi else TORCH_KERNELS
         triton_gpu = use_fi and gemv.supported(self.device)
         if triton_gpu and add_norm.PREFERRED:
-            kernels = dataclasses.replace(kernels, add_rms_norm=add_norm.add_rms_norm)
+            kernels = dataclasses.replace(kernels, add_rms_norm=add_norm.add_rms_norm,
+                                          add_rms_norm_quantize=add_norm.add_rms_norm_quantize)
+        if triton_gpu:
+            kernels = dataclasses.replace(kernels, silu_and_mul_quantize=fp8.silu_mul_quantize)
         # The fused single-token layers pay only inside CUDA graphs (Triton's eager launch overhead).
         fused = cfg.engine.fused_gemv != "never" and not cfg.engine.deterministic
         if fused and triton_gpu and self.tp_size == 1 and cfg.engine.cuda_graph_max_bs > 0:

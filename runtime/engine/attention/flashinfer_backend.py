@@ -16,6 +16,7 @@ from models.context import get_ctx
 from runtime.batch import Batch
 from runtime.engine.attention import paged_decode as pd
 from runtime.engine.attention import split_decode as sd
+from runtime.engine.attention.kv_fp8 import widen_pages
 from runtime.engine.attention.rope_store import rope_and_store
 from runtime.engine.attention.xqa_decode import XqaDecode, unsupported_reason
 from runtime.engine.kv_cache import KVCache
@@ -207,7 +208,7 @@ class FlashInferBackend:
         rope_and_store(batch.positions, q, kv, cos_sin, self.kv_cache, layer_id, batch.out_loc)
         if self.kv_fp8:
             k_scale, v_scale = self.host_scales[layer_id]
-            staged = cache[:, self.staged_pages].to(self.dtype)
+            staged = widen_pages(cache, self.staged_pages, self.dtype)
             return self.active.run(q, (staged[0], staged[1]), k_scale=k_scale, v_scale=v_scale)
         return self.active.run(q, (self.kv_cache.k(layer_id), self.kv_cache.v(layer_id)))
 

@@ -50,3 +50,33 @@ def is_fp8_cache(cache: torch.Tensor, kv_scales: torch.Tensor | None) -> bool:
     if fp8 and kv_scales is None:
         raise ValueError("an FP8 KV cache needs its layer's kv_scales")
     return fp8
+
+
+if triton is not None:
+
+    @triton.jit
+    def _widen_pages(cache_ptr, pages_ptr, out_ptr, cache_pages, staged_pages, PAGE: tl.constexpr,
+                     BLOCK: tl.constexpr):
+        """One staged page of K or V (program axis 1): gathered from the cache and widened, in one pass."""
+        i = tl.program_id(0)
+        plane = tl.program_id(1).to(tl.int64)
+        page = tl.load(pages_ptr + i).to(tl.int64)
+        src = cache_ptr + (plane * cache_pages + page) * PAGE
+        dst = out_ptr + (plane * staged_pages + i) * PAGE
+        for start in range(0, PAGE, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            ok = offs < PAGE
+            tl.store(dst + offs, tl.load(src + offs, mask=ok).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def widen_pages(cache: torch.Tensor, pages: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``cache[:, pages].to(dtype)`` (a layer's [2, pages, page_size, heads, dim]) in one kernel on CUDA: the
+    e4m3 values exactly, which prefill's bf16 attention kernel reads with the layer's scales."""
+    if triton is None or not cache.is_cuda or not cache.is_contiguous():
+        return cache[:, pages].to(dtype)
+    out = torch.empty(2, pages.numel(), *cache.shape[2:], dtype=dtype, device=cache.device)
+    page = cache[0, 0].numel()
+    if pages.numel():
+        _widen_pages[(pages.numel(), 2)](cache, pages, out, cache.shape[1], pages.numel(), PAGE=page,
+                                         BLOCK=min(4096, triton.next_power_of_2(page)), num_warps=4)
+    return out
