@@ -4,6 +4,7 @@ arithmetic emulated in float32 so every path is testable without a GPU."""
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -31,7 +32,20 @@ class QuantizedRows(NamedTuple):
     scale: torch.Tensor  # [tokens], float32
     dtype: torch.dtype  # the model dtype the GEMM returns
 
+
 if triton is not None:
+    # Triton's interpreter rounds float32 -> e4m3 wrongly (no carry into the exponent, ties away from zero),
+    # so under it the value is first rounded on e4m3's grid in float32 arithmetic; the GPU converts in hardware.
+    INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+    @triton.jit
+    def on_e4m3_grid(x):
+        """``x`` (float32, |x| <= 448) rounded to the nearest e4m3 value, ties to even, still in float32."""
+        exponent = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # subnormals: 2^-9 steps
+        step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+        steps = tl.abs(x) / step  # exact: a power of two
+        steps = (steps + 8388608.0) - 8388608.0  # round to nearest even at 2^23
+        return tl.where(x < 0, -steps, steps) * step
 
     @triton.jit
     def _quantize_rows(
@@ -66,6 +80,8 @@ if triton is not None:
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(y), axis=1), TINY), FP8_MAX)
         tl.store(scale_ptr + rows, scale, mask=row_ok)
         q = tl.clamp(tl.math.div_rn(y, scale[:, None]), -FP8_MAX, FP8_MAX)
+        if INTERPRET:
+            q = on_e4m3_grid(q)
         ok = row_ok[:, None] & col_ok[None, :]
         tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -113,10 +129,10 @@ def dequantize_rows(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul_quantize(x: torch.Tensor) -> QuantizedRows:
-    """``silu(gate) * up`` of ``x = [gate, up]`` ([tokens, 2n]), quantised per token: on CUDA one kernel; on CPU
-    the unfused arithmetic."""
+    """``silu(gate) * up`` of ``x = [gate, up]`` ([tokens, 2n]), quantised per token: on CUDA (and under Triton's
+    interpreter, for tests) one kernel; else the unfused arithmetic."""
     n = x.shape[-1] // 2
-    if x.is_cuda and triton is not None and x.is_contiguous() and n <= SILU_QUANTIZE_MAX:
+    if triton is not None and (x.is_cuda or INTERPRET) and x.is_contiguous() and n <= SILU_QUANTIZE_MAX:
         rows = x.shape[0]
         values = torch.empty(rows, n, dtype=FP8, device=x.device)
         scale = torch.empty(rows, dtype=torch.float32, device=x.device)

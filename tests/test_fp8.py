@@ -55,6 +55,22 @@ def _checkpoint_rows(model_dir) -> dict[str, torch.Tensor]:  # noqa: ANN001
     return tensors
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # the interpreter rounds bf16 its own way
+def test_silu_mul_quantize_kernel_equals_silu_mul_then_the_quantizer(dtype):
+    """The fused kernel (Triton's interpreter here, compiled in test_gpu_fp8.py) against torch's SiLU x mul, then
+    ``quantize_rows``: the same scales, and the same values but where an exp rounded apart moves a tie."""
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(6, 2 * 200, generator=gen) * 2).to(dtype)
+    gate, up = x.float().chunk(2, dim=-1)
+    values, scale = fp8.quantize_rows((gate / (1 + torch.exp(-gate)) * up).to(dtype))
+    got = fp8.silu_mul_quantize(x)
+    assert got.dtype == dtype and got.values.dtype == fp8.FP8
+    torch.testing.assert_close(got.scale, scale, rtol=2**-10, atol=0)
+    a, b = got.values.float(), values.float()
+    assert float((a == b).float().mean()) >= 0.99
+    assert torch.all((a - b).abs() <= b.abs() * 2**-3 + 2**-9)
+
+
 def test_quantize_at_load_stores_each_checkpoint_row_quantised(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir, "model.quantization=fp8")
     ckpt = _checkpoint_rows(tiny_llama_dir)

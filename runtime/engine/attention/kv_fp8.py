@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from models import fp8
 
 try:
     import triton
@@ -14,26 +14,14 @@ except ImportError:  # CPU-only installs never reach the Triton kernels
     triton = None
 
 if triton is not None:
-    # Triton's interpreter rounds float32 -> e4m3 wrongly (no carry into the exponent, ties away from zero),
-    # so under it the value is first rounded on e4m3's grid in float32 arithmetic; the GPU converts in hardware.
-    _INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
-
-    @triton.jit
-    def _on_e4m3_grid(x):
-        """``x`` (float32, |x| <= 448) rounded to the nearest e4m3 value, ties to even, still in float32."""
-        exponent = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # subnormals: 2^-9 steps
-        step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
-        steps = tl.abs(x) / step  # exact: a power of two
-        steps = (steps + 8388608.0) - 8388608.0  # round to nearest even at 2^23
-        return tl.where(x < 0, -steps, steps) * step
 
     @triton.jit
     def to_cache(x, scale, cache_ty: tl.constexpr, FP8: tl.constexpr):
         """``x`` (any float) as the cache stores it."""
         if FP8:
             x = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -448.0, 448.0)
-            if _INTERPRET:
-                x = _on_e4m3_grid(x)
+            if fp8.INTERPRET:
+                x = fp8.on_e4m3_grid(x)
         return x.to(cache_ty)
 
     @triton.jit
@@ -46,10 +34,10 @@ if triton is not None:
 
 def is_fp8_cache(cache: torch.Tensor, kv_scales: torch.Tensor | None) -> bool:
     """Whether a decode kernel reads ``cache`` as e4m3, which needs the layer's (k_scale, v_scale)."""
-    fp8 = cache.dtype == torch.float8_e4m3fn
-    if fp8 and kv_scales is None:
+    stored_fp8 = cache.dtype == torch.float8_e4m3fn
+    if stored_fp8 and kv_scales is None:
         raise ValueError("an FP8 KV cache needs its layer's kv_scales")
-    return fp8
+    return stored_fp8
 
 
 if triton is not None:
