@@ -31,17 +31,6 @@ if triton is not None:
             return tl.load(scale_ptr), tl.load(scale_ptr + 1)
         return 1.0, 1.0
 
-
-def is_fp8_cache(cache: torch.Tensor, kv_scales: torch.Tensor | None) -> bool:
-    """Whether a decode kernel reads ``cache`` as e4m3, which needs the layer's (k_scale, v_scale)."""
-    stored_fp8 = cache.dtype == torch.float8_e4m3fn
-    if stored_fp8 and kv_scales is None:
-        raise ValueError("an FP8 KV cache needs its layer's kv_scales")
-    return stored_fp8
-
-
-if triton is not None:
-
     @triton.jit
     def _widen_pages(cache_ptr, pages_ptr, out_ptr, cache_pages, staged_pages, PAGE: tl.constexpr,
                      BLOCK: tl.constexpr):
@@ -55,6 +44,14 @@ if triton is not None:
             offs = start + tl.arange(0, BLOCK)
             ok = offs < PAGE
             tl.store(dst + offs, tl.load(src + offs, mask=ok).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def is_fp8_cache(cache: torch.Tensor, kv_scales: torch.Tensor | None) -> bool:
+    """Whether a decode kernel reads ``cache`` as e4m3, which needs the layer's (k_scale, v_scale)."""
+    stored_fp8 = cache.dtype == torch.float8_e4m3fn
+    if stored_fp8 and kv_scales is None:
+        raise ValueError("an FP8 KV cache needs its layer's kv_scales")
+    return stored_fp8
 
 
 def widen_pages(cache: torch.Tensor, pages: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
