@@ -4,6 +4,7 @@ arithmetic emulated in float32 so every path is testable without a GPU."""
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -21,6 +22,10 @@ FP8_MAX = torch.finfo(FP8).max
 # Hopper's FP8 tensor cores keep a narrower accumulator unless the GEMM promotes it to float32 as it goes;
 # skipping that adds an error an order of magnitude below e4m3's own rounding of the operands, and saves time.
 FAST_ACCUM = True
+# At decode batch sizes cuBLASLt's per-tensor-scaled FP8 GEMM is much faster than the row-wise kernel: it runs
+# with unit scales into float32, and one small kernel applies the token and channel scales. That kernel's
+# traffic grows with the product, the GEMM's gain does not: it pays below this many float32 outputs.
+SCALES_AFTER_MAX_OUTPUTS = 1 << 21
 TINY = 1e-12  # an all-zero row keeps a finite scale
 
 
@@ -84,6 +89,19 @@ if triton is not None:
             q = on_e4m3_grid(q)
         ok = row_ok[:, None] & col_ok[None, :]
         tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _apply_scales(acc_ptr, row_scale_ptr, col_scale_ptr, bias_ptr, out_ptr, N: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+        """``out = acc * row_scale[:, None] * col_scale[None, :] (+ bias)``: the row-wise GEMM's epilogue."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < N
+        y = tl.load(acc_ptr + row * N + cols, mask=ok, other=0.0) * tl.load(row_scale_ptr + row)
+        y *= tl.load(col_scale_ptr + cols, mask=ok, other=0.0)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * N + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _silu_mul_quantize(
@@ -154,10 +172,31 @@ def linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: 
     else:
         values, scale = quantize_rows(x.reshape(-1, x.shape[-1]), x_amax)
         dtype, lead = x.dtype, x.shape[:-1]
-    if values.is_cuda:
+    if values.is_cuda and triton is not None and 0 < values.shape[0] * weight.shape[0] < SCALES_AFTER_MAX_OUTPUTS:
+        out = _scales_after(values, scale, weight, weight_scale, bias, dtype)
+    elif values.is_cuda:
         out = torch._scaled_mm(values, weight.t(), scale_a=scale[:, None], scale_b=weight_scale[None, :],
                                bias=bias, out_dtype=dtype, use_fast_accum=FAST_ACCUM)
     else:
         out = F.linear(dequantize_rows(values, scale), dequantize_rows(weight, weight_scale),
                        None if bias is None else bias.float()).to(dtype)
     return out.reshape(*lead, weight.shape[0])
+
+
+@functools.cache
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
+def _scales_after(values: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                  bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The row-wise scaled GEMM as a per-tensor one with unit scales (float32 out), then the scales applied."""
+    unit = _unit_scale(values.device)
+    acc = torch._scaled_mm(values, weight.t(), scale_a=unit, scale_b=unit, out_dtype=torch.float32,
+                           use_fast_accum=FAST_ACCUM)
+    rows, n = acc.shape
+    out = torch.empty(rows, n, dtype=dtype, device=acc.device)
+    block = min(triton.next_power_of_2(n), 2048)
+    _apply_scales[(rows, triton.cdiv(n, block))](acc, scale, weight_scale, bias if bias is not None else acc, out,
+                                                 N=n, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return out

@@ -2,9 +2,11 @@
 
     python scripts/bench_fp8_gemm.py [--rows 64,128,256,512,16384] [--shapes 8B]
 
-Per (rows, layer): us of ``F.linear`` in bf16, of ``torch._scaled_mm`` with row-wise scales (the engine's), with
-fast accumulation, and with one scale per tensor (cuBLASLt); the relative error of each FP8 variant against a
-float64 product of the same e4m3 values; and the cost of quantising the activations.
+Per (rows, layer): us of ``F.linear`` in bf16, of ``torch._scaled_mm`` with row-wise scales (the engine's from
+``fp8.SCALES_AFTER_MAX_OUTPUTS`` outputs), with fast accumulation, with one scale per tensor (cuBLASLt), and of the
+engine's path for fewer rows (per-tensor GEMM with unit scales, then the row-wise scales applied); the relative
+error of each FP8 variant against a float64 product of the same e4m3 values; and the cost of quantising the
+activations.
 """
 
 from __future__ import annotations
@@ -66,25 +68,29 @@ def bench(rows: int, n: int, k: int) -> dict[str, float]:
         return torch._scaled_mm(xq_t, wq_t.t(), scale_a=xt, scale_b=wt, out_dtype=torch.bfloat16,
                                 use_fast_accum=True)
 
+    def scales_after() -> torch.Tensor:
+        return fp8._scales_after(xq, xs, wq, ws, None, torch.bfloat16)
+
     repeats = 30 if rows <= 2048 else 5
     row = {
         "bf16_us": time_us(lambda: F.linear(x, w), repeats),
         "rowwise_us": time_us(lambda: rowwise(False), repeats),
         "rowwise_fast_us": time_us(lambda: rowwise(True), repeats),
         "tensorwise_fast_us": time_us(tensorwise, repeats),
+        "scales_after_us": time_us(scales_after, repeats),
         "quantize_us": time_us(lambda: fp8.quantize_rows(x), repeats),
     }
     if rows <= 512:  # the float64 reference of larger products costs more than it tells
         ref = (xq.double() * xs.double()[:, None]) @ (wq.double() * ws.double()[:, None]).t()
         ref_t = (xq_t.double() * xt.double()) @ (wq_t.double() * wt.double()).t()
         row.update(rowwise_error=relative(rowwise(False), ref), rowwise_fast_error=relative(rowwise(True), ref),
-                   tensorwise_fast_error=relative(tensorwise(), ref_t))
+                   tensorwise_fast_error=relative(tensorwise(), ref_t), scales_after_error=relative(scales_after(), ref))
     return row
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rows", default="64,128,256,512,16384")
+    parser.add_argument("--rows", default="16,64,128,256,384,512,16384")
     parser.add_argument("--shapes", default="8B")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()

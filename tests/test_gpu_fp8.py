@@ -86,6 +86,21 @@ def test_fp8_gemm_against_float64(rows, out_features, in_features):
     assert relative_error(out, ref) <= 1e-2  # bf16 output rounding, fast accumulation; float64 operands exact
 
 
+@pytest.mark.parametrize("rows", [3, 64, 256])
+def test_fp8_gemm_scales_after_equals_the_row_wise_kernel(rows, monkeypatch):
+    """Decode batches run a unit-scaled GEMM, then the scales; the row-wise kernel scales in its epilogue."""
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    values, scale = fp8.quantize_rows(torch.randn(1536, 4096, device="cuda", generator=gen) / 64)
+    bias = torch.randn(1536, device="cuda", generator=gen).to(torch.bfloat16)
+    assert rows * 1536 < fp8.SCALES_AFTER_MAX_OUTPUTS
+    ours = fp8.linear(x, values, scale, bias)
+    monkeypatch.setattr(fp8, "SCALES_AFTER_MAX_OUTPUTS", 0)
+    row_wise = fp8.linear(x, values, scale, bias)
+    assert ours.dtype == row_wise.dtype == torch.bfloat16
+    assert relative_error(ours, row_wise.double()) <= 4e-3  # bf16 rounding of either, accumulation order
+
+
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (14336, 4096), (4096, 14336), (3072, 2048)])
 def test_fp8_gemv_against_float64(n, k):
     """The fused single-token layers with FP8 weights (x stays bf16): float64 on the dequantised weights."""
