@@ -82,8 +82,9 @@ def wait_done(env: dict[str, str], job_id: str, timeout: float = 300) -> dict[st
 
 def warn_batch(slurm: dict, job_id: str) -> None:
     """USR1 to the batch shell (the time-limit warning). slurmctld refuses signals while a job changes state
-    ("Job can not be altered now, try again later", e.g. just after a requeue): retry those, for up to 60 s."""
-    deadline = time.monotonic() + 60
+    ("Job can not be altered now, try again later", e.g. just after a requeue, for over a minute on a loaded
+    2-core machine): retry those, for up to 180 s."""
+    deadline = time.monotonic() + 180
     while True:
         proc = subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm, capture_output=True,
                               text=True)
