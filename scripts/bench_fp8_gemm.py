@@ -1,6 +1,6 @@
 """Micro-benchmark: the FP8 GEMM of a linear layer against bf16 at the batch sizes of decode and prefill.
 
-    python scripts/bench_fp8_gemm.py [--rows 64,128,256,512,16384] [--shapes 8B]
+    python scripts/bench_fp8_gemm.py [--rows 16,64,128,256,384,512,16384] [--shapes 8B,70B]
 
 Per (rows, layer): us of ``F.linear`` in bf16, of ``torch._scaled_mm`` with row-wise scales (the engine's from
 ``fp8.SCALES_AFTER_MAX_OUTPUTS`` outputs), with fast accumulation, with one scale per tensor (cuBLASLt), and of the
