@@ -172,14 +172,14 @@ def linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: 
     else:
         values, scale = quantize_rows(x.reshape(-1, x.shape[-1]), x_amax)
         dtype, lead = x.dtype, x.shape[:-1]
-    if values.is_cuda and triton is not None and 0 < values.shape[0] * weight.shape[0] < SCALES_AFTER_MAX_OUTPUTS:
-        out = _scales_after(values, scale, weight, weight_scale, bias, dtype)
-    elif values.is_cuda:
-        out = torch._scaled_mm(values, weight.t(), scale_a=scale[:, None], scale_b=weight_scale[None, :],
-                               bias=bias, out_dtype=dtype, use_fast_accum=FAST_ACCUM)
-    else:
+    if not values.is_cuda:
         out = F.linear(dequantize_rows(values, scale), dequantize_rows(weight, weight_scale),
                        None if bias is None else bias.float()).to(dtype)
+    elif triton is not None and 0 < values.shape[0] * weight.shape[0] < SCALES_AFTER_MAX_OUTPUTS:
+        out = _scales_after(values, scale, weight, weight_scale, bias, dtype)
+    else:
+        out = torch._scaled_mm(values, weight.t(), scale_a=scale[:, None], scale_b=weight_scale[None, :],
+                               bias=bias, out_dtype=dtype, use_fast_accum=FAST_ACCUM)
     return out.reshape(*lead, weight.shape[0])
 
 
