@@ -4,8 +4,8 @@
         [--heads 32 --kv-heads 8 --head-dim 64] [--impls cuda,tc_fa2,tc_fa3,xqa] [--layouts NHD,HND] [--fp8]
 
 Outputs are checked against the first implementation's. Only ``+rope`` entries (with our RoPE + KV-store kernel)
-and ``xqa_engine`` (the engine's FP8 decode: that kernel writing a dense q, then XQA) compare with ``triton`` and
-``paged``, which include those steps. ``paged_b<tokens>_w<warps>_s<stages>`` runs
+and ``xqa_engine`` (the engine's FP8 decode: that kernel writing a dense q, then XQA) compare with ``paged``,
+which includes those steps. ``paged_b<tokens>_w<warps>_s<stages>`` runs
 paged_decode with those launch settings. ``--fp8`` stores the cache in e4m3 (paged and xqa; GB/s counts 1 byte).
 """
 
@@ -91,18 +91,6 @@ def with_rope(a: argparse.Namespace, c: dict, attend: Callable) -> Callable:
         return attend(q)
 
     return run
-
-
-def triton_impl(a: argparse.Namespace, c: dict, splits: int | None) -> Callable:
-    from runtime.engine.attention import split_decode as sd
-
-    q, kv = qkv_views(a, c["qkv"])
-    splits = splits or sd.num_splits(a.batch, a.kv_heads, a.heads // a.kv_heads, a.head_dim, a.kv_max)
-    ws = sd.new_workspace(a.batch, a.kv_heads, a.heads // a.kv_heads, a.head_dim, splits, q.device)
-    rows = torch.arange(a.batch, device=q.device)
-    cos_sin = cos_sin_table(a, c)
-    return lambda: sd.split_decode(q, kv, c["positions"], rows, c["out_loc"], cos_sin, c["table"], c["kv"], ws,
-                                   splits).view(a.batch, a.heads, a.head_dim)
 
 
 def paged_impl(a: argparse.Namespace, c: dict, settings: str = "") -> Callable:
@@ -209,8 +197,6 @@ def build(a: argparse.Namespace, impl: str, c: dict, layout: str) -> Callable:
     impl = impl.removesuffix("+rope")
     if impl == "paged" or impl.startswith("paged_"):
         return paged_impl(a, c, impl[6:])
-    if impl == "triton" or impl.startswith("triton_s"):
-        return triton_impl(a, c, int(impl[8:]) if impl.startswith("triton_s") else None)
     if impl == "cuda":
         return wrapper_impl(a, c, layout, False, "auto", rope=rope)
     if impl.startswith("tc_"):
@@ -224,7 +210,7 @@ def build(a: argparse.Namespace, impl: str, c: dict, layout: str) -> Callable:
             raise ValueError("xqa_engine reads the engine's NHD pages (--layouts NHD)")
         return xqa_engine_impl(a, c)
     raise ValueError(f"unknown --impls entry {impl!r} (cuda, tc_fa2, tc_fa3, tc_auto, tc_fa2_nosplit, tc_fa2_split<N>, xqa, "
-                     "with +rope; triton, triton_s<N>; paged, paged_b<N>_w<N>_s<N>; xqa_engine)")
+                     "with +rope; paged, paged_b<N>_w<N>_s<N>; xqa_engine)")
 
 
 def time_graph(fn: Callable) -> tuple[float, torch.Tensor]:

@@ -25,6 +25,7 @@ class BenchSection:
     peers: list[str] = field(default_factory=lambda: ["hf_continuous", "hf_static"])  # run on the fixed variant
     peer_requests: int = 256
     ablations: list[str] = field(default_factory=lambda: ["no_graphs", "no_overlap"])
+    batch1_context: int = 4  # prompt tokens of the one-request decode run, which then generates 256
     # The "shared_prefix" ablation's workload.
     shared_prefix_len: int = 1000
     distinct_len: list[int] = field(default_factory=lambda: [50, 200])

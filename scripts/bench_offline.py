@@ -64,7 +64,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict | None:
         if name == "batch1_decode_flashinfer":
             from runtime.engine.attention import flashinfer_backend
 
-            flashinfer_backend.SPLIT_DECODE_MAX_BATCH = 0
+            flashinfer_backend.PAGED_DECODE_MIN_BATCH = 2
         graph_s, steady_s, weight_bytes = batch1_step_time(variant(**fused), True)
         eager_s, _, _ = batch1_step_time(variant(**fused), False)
         row = {"graph_step_ms": graph_s * 1e3, "graph_steady_step_ms": steady_s * 1e3, "eager_step_ms": eager_s * 1e3,

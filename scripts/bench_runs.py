@@ -259,11 +259,12 @@ def batch1_step_time(cfg: BenchConfig, graphs: bool) -> tuple[float, float, int]
     cfg.engine.cuda_graph_max_bs = 8 if graphs else 0
     llm = LLM(config=cfg)
     params = SamplingParams(temperature=0, max_new_tokens=256, ignore_eos=True)
-    llm.generate([[1, 2, 3, 4]], params)
+    context, limit = cfg.bench.batch1_context, cfg.bench.token_id_limit
+    llm.generate([[(1 + i) % limit for i in range(context)]], params)
     log = StepLog()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    llm.run([(0, [5, 6, 7, 8], params)], on_batch=log)
+    llm.run([(0, [(5 + i) % limit for i in range(context)], params)], on_batch=log)
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / max(sum(log.decode), 1)
     decode_at = [t for t, decode in zip(log.scheduled_at, log.decode) if decode]

@@ -1,6 +1,6 @@
 """The FP8 KV cache (``cache.dtype=fp8_e4m3``) on CPU: the cache's encoding, the page budget, every attention
 path reading the same e4m3 values (prefill, chunked prefill and decode agree), and its distance from the
-model-dtype cache. The Triton decode kernels' FP8 paths are in test_paged_decode.py and test_split_decode.py."""
+model-dtype cache. The Triton decode kernel's FP8 path is in test_paged_decode.py."""
 
 from __future__ import annotations
 

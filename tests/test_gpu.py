@@ -21,7 +21,7 @@ from models.weights.loader import to_hf_state_dict
 from runtime import LLM, SamplingParams
 from runtime.config import load_config
 from runtime.engine import Engine
-from runtime.engine.attention.flashinfer_backend import PAGED_DECODE_MIN_BATCH, SPLIT_DECODE_MAX_BATCH
+from runtime.engine.attention.flashinfer_backend import PAGED_DECODE_MIN_BATCH
 from tests.helpers import prefill_logits, relative_error
 
 pytestmark = pytest.mark.gpu
@@ -206,19 +206,16 @@ def test_graph_replay_matches_eager_for_every_size(fi_engine):
     """Decode logits from each captured graph (and padded sizes) equal the eager decode logits.
 
     Where the padded graph size and the live size pick different decode kernels (flashinfer's CUDA cores
-    below TENSOR_CORE_DECODE_MIN_BATCH, its tensor cores above, split_decode.py in graphs up to
-    SPLIT_DECODE_MAX_BATCH, paged_decode.py in graphs from PAGED_DECODE_MIN_BATCH), the two differ by bf16 rounding, as HF's bf16 differs from float32 (2-3e-2 on
+    below TENSOR_CORE_DECODE_MIN_BATCH, its tensor cores above, paged_decode.py in graphs from
+    PAGED_DECODE_MIN_BATCH), the two differ by bf16 rounding, as HF's bf16 differs from float32 (2-3e-2 on
     these weights); a wrong slot or plan gives errors near 1.
     """
     runner = fi_engine.graph_runner
     backend = fi_engine.attn_backend
     assert runner is not None and runner.bs_list[0] == 1 and runner.bs_list[-1] == 64
-    assert set(backend.split_graphs) == {bs for bs in runner.bs_list if bs <= SPLIT_DECODE_MAX_BATCH}
     assert set(backend.paged_graphs) == {bs for bs in runner.bs_list if bs >= PAGED_DECODE_MIN_BATCH}
 
     def kernel(bs: int, graph: bool) -> str:
-        if graph and bs in backend.split_graphs:
-            return "split"
         if graph and bs in backend.paged_graphs:
             return "paged"
         return "tensor cores" if backend.decode_uses_tensor_cores(bs) else "cuda cores"

@@ -148,7 +148,7 @@ def test_bf16_flashinfer_logits_and_greedy_against_hf_float32(checkpoint):
 
 def test_single_request_decode_on_the_fused_path_against_hf_float32(checkpoint):
     """One request decoded from a one-row CUDA graph: every layer as four fused GEMVs (models/gemv.py, with
-    the tiles this width gets) around split_decode.py, at the family's real width (Qwen2's biases, Qwen3's
+    the tiles this width gets) around paged_decode.py, at the family's real width (Qwen2's biases, Qwen3's
     per-head q/k norms); its logits at each decode step against HF float32, within the same bf16 budget."""
     name, path = checkpoint
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
@@ -157,7 +157,7 @@ def test_single_request_decode_on_the_fused_path_against_hf_float32(checkpoint):
     llm = LLM(str(path), overrides=OVERRIDES)
     eng = llm.engine
     assert_gpu_defaults(eng)
-    assert eng.model.model.fused_gemv and 1 in eng.attn_backend.split_graphs
+    assert eng.model.model.fused_gemv and 1 in eng.attn_backend.paged_graphs
     ours = prefill_logits(eng, [seq], decode_tail=NEW_TOKENS, use_graph=True)[0][-NEW_TOKENS:]
     llm.shutdown()
     del llm, eng

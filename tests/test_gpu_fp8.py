@@ -156,24 +156,18 @@ def test_rope_and_store_writes_the_fp8_encoding():
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "positions"),
                          [(32, 8, 128, [0, 15, 16, 700, 1999]), (9, 3, 64, [257, 40]), (28, 4, 128, [1500])])
 def test_fp8_kv_decode_kernels_against_float64(heads, kv_heads, dim, positions):
-    """split_decode (one request) and paged_decode (several) compiled, bf16 queries over an e4m3 cache with a
-    K and a V scale, against float64 over the dequantised cache; the new V written bit for bit."""
+    """paged_decode compiled, one request and several, bf16 queries over an e4m3 cache with a K and a V scale,
+    against float64 over the dequantised cache; the new V written bit for bit."""
     from runtime.engine.attention import paged_decode as pd
-    from runtime.engine.attention import split_decode as sd
-    from tests.test_paged_decode import run as run_paged
-    from tests.test_split_decode import make_case, reference
-    from tests.test_split_decode import run as run_split
+    from tests.test_paged_decode import make_case, reference, run
 
-    for name, runner in (("split", lambda c: run_split(c, sd.num_splits(len(positions), kv_heads, heads // kv_heads,
-                                                                          dim, 2048))),
-                         ("paged", lambda c: run_paged(c, pd.chunk_tokens(len(positions), kv_heads, 2048)))):
-        case = make_case(heads, kv_heads, dim, positions, 16, torch.bfloat16, device="cuda", seed=7, kv_fp8=True)
-        ref, _, v_ref = reference(case)
-        out = runner(case)
-        rel = float((out.double().cpu() - ref).norm() / ref.norm())
-        assert rel < 5e-3, (name, rel)  # bf16 rounding of q, P and the output; e4m3 is in the reference
-        flat = case["cache"].buffer[0].reshape(2, -1, kv_heads, dim)
-        assert torch.equal(flat[1, case["out_loc"]].cpu().view(torch.uint8), v_ref.view(torch.uint8)), name
+    case = make_case(heads, kv_heads, dim, positions, 16, torch.bfloat16, device="cuda", seed=7, kv_fp8=True)
+    ref, _, v_ref = reference(case)
+    out = run(case, pd.chunk_tokens(len(positions), kv_heads, 2048))
+    rel = float((out.double().cpu() - ref).norm() / ref.norm())
+    assert rel < 5e-3, rel  # bf16 rounding of q, P and the output; e4m3 is in the reference
+    flat = case["cache"].buffer[0].reshape(2, -1, kv_heads, dim)
+    assert torch.equal(flat[1, case["out_loc"]].cpu().view(torch.uint8), v_ref.view(torch.uint8))
 
 
 def on_hopper() -> bool:
@@ -189,7 +183,7 @@ def test_xqa_fp8_decode_against_float64(heads, kv_heads, dim, positions):
     the probabilities; the new V written bit for bit."""
     from runtime.engine.attention.rope_store import rope_and_store
     from runtime.engine.attention.xqa_decode import XqaDecode
-    from tests.test_split_decode import make_case, reference
+    from tests.test_paged_decode import make_case, reference
 
     case = make_case(heads, kv_heads, dim, positions, 16, torch.bfloat16, device="cuda", seed=7, kv_fp8=True)
     ref, _, v_ref = reference(case)

@@ -115,69 +115,21 @@ def test_fused_gemv_chain_replays_bit_identically_in_a_cuda_graph():
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "dim", "positions"),
-    [(32, 8, 64, [0, 15, 16, 700, 1999]), (9, 3, 64, [257, 40]), (28, 4, 128, [1500]), (32, 8, 128, [3, 900])],
-)
-@pytest.mark.parametrize("splits", [None, 1])  # None: the engine's split rule for the batch
-def test_split_decode_matches_float64(heads, kv_heads, dim, positions, splits):
-    """The compiled kernels in bf16 against the float64 reference of tests/test_split_decode.py."""
-    from runtime.engine.attention import split_decode as sd
-    from tests.test_split_decode import make_case, reference, run
-
-    case = make_case(heads, kv_heads, dim, positions, 16, torch.bfloat16, device="cuda", seed=len(positions))
-    ref, k_ref, v_ref = reference(case)
-    splits = splits or sd.num_splits(len(positions), kv_heads, heads // kv_heads, dim, 2048)
-    out = run(case, splits)
-    rel = float((out.double().cpu() - ref).norm() / ref.norm())
-    assert rel < 5e-3, rel  # bf16 output rounding is ~2e-3
-    flat = case["cache"].buffer[0].reshape(2, -1, kv_heads, dim)
-    torch.testing.assert_close(flat[0, case["out_loc"]].cpu().float(), k_ref.float(), rtol=8e-3, atol=8e-3)
-    assert torch.equal(flat[1, case["out_loc"]].cpu(), v_ref.cpu())
-
-
-def test_split_decode_replays_in_a_cuda_graph_with_new_positions():
-    """Captured once over one workspace, replayed three times after the positions, rows and slots changed:
-    equal to an eager call each time (the last split merges, so every replay must find its counters back
-    at zero)."""
-    from runtime.engine.attention import split_decode as sd
-    from tests.test_split_decode import make_case, run
-
-    case = make_case(32, 8, 64, [100, 5, 1700, 31], 16, torch.bfloat16, device="cuda", seed=9)
-    fresh = make_case(32, 8, 64, [640, 1700, 2, 47], 16, torch.bfloat16, device="cuda", seed=9)
-    static = {k: case[k] for k in ("pos", "rows", "out_loc")}
-    workspace = sd.new_workspace(4, 8, 4, 64, 8, torch.device("cuda"))
-    run(case, 8, workspace)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run(case, 8, workspace)
-    for k in static:
-        static[k].copy_(fresh[k])
-    case["table"].copy_(fresh["table"])
-    expected = run(fresh, 8)
-    for _ in range(3):
-        case["cache"].buffer.copy_(fresh["cache"].buffer)
-        case["qkv"].copy_(fresh["qkv"])
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, expected)
-
-
-@pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "positions", "chunk"),
     [
         (9, 3, 64, [0, 15, 16, 700, 1999, 257, 40, 1023, 1024], 256),  # SmolLM2
         (32, 8, 64, [3, 900, 2047, 64], 128),
         (28, 4, 128, [1500, 7, 300], 512),  # Qwen2.5-7B's 7 q heads per KV head
         (32, 8, 128, list(range(0, 2000, 97)), 1024),
+        (32, 8, 128, [1999], 128),  # one request, at the engine's rule for one (16 chunks, PDL on Hopper)
+        (32, 8, 64, [3], 128),
     ],
 )
 def test_paged_decode_matches_float64(heads, kv_heads, dim, positions, chunk):
     """The compiled kernel in bf16 against the float64 reference, and the cache it leaves against the unfused
     RoPE + KV-write kernel's (V bit for bit; K the same float32 rotation rounded once, up to FMA contraction)."""
     from runtime.engine.attention.rope_store import rope_and_store
-    from tests.test_paged_decode import poison_new_slots, run
-    from tests.test_split_decode import make_case, reference
+    from tests.test_paged_decode import make_case, poison_new_slots, reference, run
 
     case = make_case(heads, kv_heads, dim, positions, 16, torch.bfloat16, device="cuda", seed=len(positions))
     unfused = make_case(heads, kv_heads, dim, positions, 16, torch.bfloat16, device="cuda", seed=len(positions))
@@ -199,8 +151,7 @@ def test_paged_decode_replays_in_a_cuda_graph_with_new_positions():
     """Captured once, replayed three times after the positions, rows and slots changed: equal to an eager call
     each time (the last chunk merges, so every replay must find its counters back at zero)."""
     from runtime.engine.attention import paged_decode as pd
-    from tests.test_paged_decode import run
-    from tests.test_split_decode import make_case
+    from tests.test_paged_decode import make_case, run
 
     positions, fresh_positions = [100, 5, 1999, 31, 900, 0], [640, 1700, 2, 47, 1999, 1024]  # same table shape
     case = make_case(9, 3, 64, positions, 16, torch.bfloat16, device="cuda", seed=9)
@@ -233,8 +184,7 @@ def test_paged_decode_gives_the_same_bits_on_every_call(heads, kv_heads):
     call writing the new K and V and merging its chunks through the counters: every output equals the first
     call's bit for bit (a read of a slot before its write, or a race in the merge, changes bits)."""
     from runtime.engine.attention import paged_decode as pd
-    from tests.test_paged_decode import poison_new_slots, run
-    from tests.test_split_decode import make_case
+    from tests.test_paged_decode import make_case, poison_new_slots, run
 
     gen = torch.Generator().manual_seed(11)
     positions = torch.randint(4, 1400, (64,), generator=gen).tolist()

@@ -1,14 +1,97 @@
-"""The batched decode attention kernel (runtime/engine/attention/paged_decode.py) against float64: RoPE, the
-cache write and chunked attention over a paged cache, on CPU through Triton's interpreter (conftest sets
+"""The decode attention kernel (runtime/engine/attention/paged_decode.py) against float64: RoPE, the cache
+write and chunked attention over a paged cache, on CPU through Triton's interpreter (conftest sets
 TRITON_INTERPRET=1 where there is no GPU; tests/test_gpu_kernels.py runs it compiled)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
+from models.ops import rope_cos_sin_cache, rope_inv_freq, rope_torch
 from runtime.engine.attention import paged_decode as pd
-from tests.test_split_decode import make_case, reference
+from runtime.engine.kv_cache import KVCache, quantize_kv
+
+FP8_SCALES = (0.02, 0.015)  # k, v: random normal values stay inside e4m3's range (448) at these scales
+
+
+def make_case(heads: int, kv_heads: int, dim: int, positions: list[int], page_size: int, dtype: torch.dtype,
+              device: str = "cpu", fused_q: bool = True, seed: int = 0, kv_fp8: bool = False) -> dict:
+    """A paged cache whose requests hold ``positions[b]`` cached tokens on scattered pages, and their new tokens;
+    ``kv_fp8``: the cache in e4m3 with FP8_SCALES."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(positions)
+    max_pages = max(p // page_size + 1 for p in positions)
+    num_pages = batch * max_pages + 3
+    cache = KVCache(1, num_pages, page_size, kv_heads, dim, torch.float8_e4m3fn if kv_fp8 else dtype,
+                    torch.device(device))
+    values = torch.randn(cache.buffer.shape, generator=gen)
+    if kv_fp8:
+        cache.scales.copy_(torch.tensor([FP8_SCALES]))
+        values = quantize_kv(values, torch.tensor(FP8_SCALES).view(1, 2, 1, 1, 1, 1))
+    cache.buffer.copy_(values.to(cache.buffer.dtype))
+    # Rows 1..batch of a larger page table (row 0 unused), pages in a random order, page 0 never used.
+    order = (torch.randperm(num_pages - 1, generator=gen) + 1)[: batch * max_pages].view(batch, max_pages)
+    table = torch.zeros(batch + 2, max_pages + 2, dtype=torch.int32)
+    rows = torch.arange(1, batch + 1)
+    table[rows, :max_pages] = order.int()
+    pos = torch.tensor(positions)
+    out_loc = order[torch.arange(batch), pos // page_size] * page_size + pos % page_size
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    cos_sin = rope_cos_sin_cache(4096, rope_inv_freq(dim, 10000.0, None))
+    case = dict(qkv=qkv, cache=cache, table=table, rows=rows, pos=pos, out_loc=out_loc, cos_sin=cos_sin)
+    case = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+    case["q"] = case["qkv"][:, : heads * dim].view(batch, heads, dim)
+    if not fused_q:
+        case["q"] = case["q"].clone()
+    case["kv"] = case["qkv"][:, heads * dim :].view(batch, 2, kv_heads, dim)
+    return case
+
+
+def reference(case: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float64 attention with q and the new k rotated in float32 and rounded to the model dtype, or to e4m3 in an
+    FP8 cache (as cached); returns the output and the new K and V as the cache holds them."""
+    q, kv, cache, dtype = case["q"].cpu(), case["kv"].cpu(), case["cache"], case["q"].dtype
+    pos, table, rows = case["pos"].cpu(), case["table"].cpu(), case["rows"].cpu()
+    batch, heads, dim = q.shape
+    kv_heads = kv.shape[2]
+    q_rot, k_rot = q.float().clone(), kv[:, 0].float().clone()
+    rope_torch(pos, q_rot, k_rot, case["cos_sin"].cpu())
+    q_rot = q_rot.to(dtype).double()
+    k_scale, v_scale = cache.scales[0].cpu().double().tolist()
+    if cache.fp8:
+        k_rot, v_new = quantize_kv(k_rot, torch.tensor(k_scale)), quantize_kv(kv[:, 1], torch.tensor(v_scale))
+    else:
+        k_rot, v_new = k_rot.to(dtype), kv[:, 1]
+    k_all = cache.k(0).cpu().double() * k_scale
+    v_all = cache.v(0).cpu().double() * v_scale
+    page = cache.page_size
+    outs = []
+    for b in range(batch):
+        p = int(pos[b])
+        t = torch.arange(p)
+        slots = table[rows[b], t // page].long() * page + t % page
+        keys = torch.cat((k_all.reshape(-1, kv_heads, dim)[slots], k_rot[b : b + 1].double() * k_scale))
+        values = torch.cat((v_all.reshape(-1, kv_heads, dim)[slots], v_new[b : b + 1].double() * v_scale))
+        group = heads // kv_heads
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)  # [t, heads, d]
+        scores = torch.einsum("hd,thd->ht", q_rot[b], keys) / math.sqrt(dim)
+        outs.append(torch.einsum("ht,thd->hd", scores.softmax(-1), values).reshape(-1))
+    return torch.stack(outs), k_rot, v_new
+
+
+def check_fp8_case(case: dict, attend) -> None:  # noqa: ANN001 - the kernel call on ``case``
+    """An FP8-cache decode kernel on ``case``: its output against float64 over the dequantised cache, the new
+    K within one e4m3 step (the rotation's rounding) and the new V bit for bit as ``quantize_kv`` encodes them."""
+    ref, k_ref, v_ref = reference(case)
+    out = attend()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    flat = case["cache"].buffer[0].reshape(2, -1, *case["cache"].buffer.shape[-2:])
+    torch.testing.assert_close(flat[0, case["out_loc"]].float(), k_ref.float(), rtol=0.07, atol=0)
+    assert torch.equal(flat[1, case["out_loc"]].view(torch.uint8), v_ref.view(torch.uint8))
+
+
 
 
 def run(case: dict, chunk: int, chunks: int | None = None, workspace: torch.Tensor | None = None,
@@ -60,8 +143,6 @@ def test_matches_float64_and_writes_the_cache(heads, kv_heads, dim, chunk, posit
 def test_fp8_cache_matches_float64_of_the_cached_values(heads, kv_heads, chunk, positions):
     """An e4m3 cache with a K and a V scale (the scales fold into the softmax scale and the output): against
     float64 over the dequantised cache; the new V written bit for bit as ``quantize_kv`` encodes it."""
-    from tests.test_split_decode import FP8_SCALES, check_fp8_case
-
     case = make_case(heads, kv_heads, 32, positions, 16, torch.float32, seed=4, kv_fp8=True)
     torch.testing.assert_close(case["cache"].scales[0], torch.tensor(FP8_SCALES))
     check_fp8_case(case, lambda: run(case, chunk))

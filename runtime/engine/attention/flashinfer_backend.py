@@ -1,7 +1,7 @@
 """flashinfer paged attention (GPU), plus the Triton decode kernels for CUDA graphs.
 
-An FP8 KV cache decodes batches on XQA where it runs (xqa_decode.py), else and for one request with the Triton
-kernels (they read e4m3); prefill runs flashinfer's bf16 kernel on a copy of the batch's pages widened to the
+An FP8 KV cache decodes batches on XQA where it runs (xqa_decode.py), else and for few requests with the Triton
+kernel (it reads e4m3); prefill runs flashinfer's bf16 kernel on a copy of the batch's pages widened to the
 model dtype (exact), made per layer: prefill is bound by its GEMMs, and the copy is a small share of a prefill
 step."""
 
@@ -15,7 +15,6 @@ import torch
 from models.context import get_ctx
 from runtime.batch import Batch
 from runtime.engine.attention import paged_decode as pd
-from runtime.engine.attention import split_decode as sd
 from runtime.engine.attention.kv_fp8 import widen_pages
 from runtime.engine.attention.rope_store import rope_and_store
 from runtime.engine.attention.xqa_decode import XqaDecode, unsupported_reason
@@ -28,8 +27,8 @@ WORKSPACE_BYTES = 128 << 20
 # flashinfer's tensor-core decode (fa2) from this batch up; the CUDA-core kernel exists only for these GQA groups.
 TENSOR_CORE_DECODE_MIN_BATCH = 4
 CUDA_CORE_GROUP_SIZES = (1, 2, 3, 4, 8)
-SPLIT_DECODE_MAX_BATCH = 1
-PAGED_DECODE_MIN_BATCH = 2
+# Decode graphs from this batch up run paged_decode.py; below it (none by default), flashinfer's decode.
+PAGED_DECODE_MIN_BATCH = 1
 # An FP8 cache decodes on XQA from this batch (a graph's padded size) up; below it paged_decode is faster
 # (scripts/bench_attention.py --fp8 --impls paged,xqa_engine --batch N).
 XQA_MIN_BATCH = 32
@@ -76,10 +75,8 @@ class FlashInferBackend:
         self.decode = {tc: self._decode_wrapper(tc) for tc in (False, True)}
         self.graph_decode: dict[int, object] = {}
         self.graph_prefill: dict[int, object] = {}
-        self.split_graphs: dict[int, tuple[int, torch.Tensor]] = {}
         self._plan_done: dict[int, torch.cuda.Event] = {}
         self.active: object = None
-        self.split: tuple[int, torch.Tensor] | None = None
         # Graphs never run at once, so they share buffers, grown when a size needs more.
         self.paged_graphs: dict[int, tuple[int, int, torch.Tensor, torch.Tensor]] = {}
         self.paged: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
@@ -156,7 +153,7 @@ class FlashInferBackend:
         self.active = wrapper
 
     def prepare(self, batch: Batch, wrapper: object | None = None) -> None:
-        self.split = self.paged = None
+        self.paged = None
         self.decode_on_xqa = self.xqa is not None and batch.is_decode and batch.size >= XQA_MIN_BATCH
         if self.decode_on_xqa:
             self.active = None
@@ -190,10 +187,6 @@ class FlashInferBackend:
     def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int, cos_sin: torch.Tensor) -> torch.Tensor:
         batch = get_ctx().batch
         cache, scales = self.kv_cache.buffer[layer_id], self.kv_cache.scales[layer_id]
-        if self.split is not None:
-            splits, workspace = self.split
-            return sd.split_decode(q, kv, batch.positions, batch.req_rows, batch.out_loc, cos_sin, self.page_table,
-                                   cache, workspace, splits, scales)
         if self.paged is not None:
             chunk, chunks, workspace, counters = self.paged
             return pd.paged_decode(q, kv, batch.positions, batch.req_rows, batch.out_loc, cos_sin, self.page_table,
@@ -217,10 +210,6 @@ class FlashInferBackend:
         hq, hkv, dim = self.heads
         if self.deterministic:
             self.paged_graphs[bs] = self._paged_state(bs, max_pages_per_req)
-            return
-        if bs <= SPLIT_DECODE_MAX_BATCH and sd.supports(dim):
-            splits = sd.num_splits(bs, hkv, hq // hkv, dim, max_pages_per_req * self.kv_cache.page_size)
-            self.split_graphs[bs] = splits, sd.new_workspace(bs, hkv, hq // hkv, dim, splits, dev)
             return
         if self.xqa is not None and bs >= XQA_MIN_BATCH:
             self.xqa_graphs.add(bs)
@@ -264,7 +253,7 @@ class FlashInferBackend:
         )
 
     def prepare_graph(self, batch: Batch) -> None:
-        self.split = self.paged = None
+        self.paged = None
         self.decode_on_xqa = batch.is_decode and batch.padded_size in self.xqa_graphs
         if self.decode_on_xqa:
             self.active = None
@@ -272,12 +261,8 @@ class FlashInferBackend:
         if not batch.is_decode:
             self.prepare(batch, self.graph_prefill[batch.padded_size])
             return
-        split = self.split_graphs.get(batch.padded_size)
-        if split is not None:  # the Triton kernels need no host plan
-            self.active, self.split = None, split
-            return
         paged = self.paged_graphs.get(batch.padded_size)
-        if paged is not None:
+        if paged is not None:  # the Triton kernel needs no host plan
             self.active, self.paged = None, paged
             return
         self.prepare(batch, self.graph_decode[batch.padded_size])

@@ -1,5 +1,5 @@
-"""Decode attention for CUDA graphs of several requests: RoPE, the KV write and split-KV attention in one Triton
-kernel, with no host plan. The last chunk to finish merges (split_decode.py's counter scheme)."""
+"""Decode attention for CUDA graphs, one request or many: RoPE, the KV write and split-KV attention in one Triton
+kernel, with no host plan. The last chunk of a (request, KV head) to finish merges the chunks' partial states."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import os
 
 import torch
 
+from models.gemv import use_pdl
 from runtime.engine.attention.kv_fp8 import is_fp8_cache
-from runtime.engine.attention.split_decode import LOG2E
 
 try:
     import triton
@@ -17,6 +17,7 @@ try:
 except ImportError:  # CPU-only installs never reach the flashinfer backend
     triton = None
 
+LOG2E = 1.4426950408889634
 BLOCK_TOKENS = 64
 # An e4m3 tile of 128 tokens holds the bytes of a 64-token bf16 one: with 64 the FP8 kernel kept too few bytes in
 # flight (scripts/bench_attention.py --fp8).
@@ -24,7 +25,6 @@ FP8_BLOCK_TOKENS = 128
 
 if triton is not None:
     from runtime.engine.attention.kv_fp8 import load_scales, to_cache
-    from runtime.engine.attention.split_decode import _merge_if_last
 
     @triton.jit
     def _attend_block(
@@ -55,6 +55,42 @@ if triton is not None:
         return m_new, lsum, acc * alpha[:, None] + pv
 
     @triton.jit
+    def _merge(
+        part_ptr, out_ptr, b, h, live_chunks, HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr,
+        GROUP_P2: tl.constexpr, D: tl.constexpr, CHUNKS: tl.constexpr,
+    ):
+        """Merge the partial states, read through L2 (``.cg``): this SM's L1 may hold the previous layer's lines."""
+        ch = tl.arange(0, CHUNKS)[:, None]
+        g = tl.arange(0, GROUP_P2)[None, :]
+        live = ch < live_chunks
+        part = part_ptr + (((b * HKV + h) * CHUNKS + ch) * GROUP_P2 + g).to(tl.int64) * (D + 2)
+        m = tl.load(part + D, mask=live, other=float("-inf"), cache_modifier=".cg")
+        lsum = tl.load(part + D + 1, mask=live, other=0.0, cache_modifier=".cg")
+        m_all = tl.max(m, axis=0)
+        w = tl.exp2(m - m_all[None, :])
+        denom = tl.sum(w * lsum, axis=0)
+        dims = tl.arange(0, D)[None, None, :]
+        acc = tl.load(part[:, :, None] + dims, mask=live[:, :, None], other=0.0, cache_modifier=".cg")
+        o = tl.sum(w[:, :, None] * acc, axis=0) / denom[:, None]
+        gg = tl.arange(0, GROUP_P2)[:, None]
+        out = out_ptr + b.to(tl.int64) * (HQ * D) + (h * GROUP + gg) * D + tl.arange(0, D)[None, :]
+        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=gg < GROUP)
+
+    @triton.jit
+    def _merge_if_last(
+        part_ptr, count_ptr, out_ptr, b, h, live_chunks, HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr,
+        GROUP_P2: tl.constexpr, D: tl.constexpr, CHUNKS: tl.constexpr,
+    ):
+        """The last live chunk to get here merges. The barrier orders all threads' stores before the release; the
+        acquire and _merge's L2 reads make the other chunks' stores visible."""
+        tl.debug_barrier()
+        count = count_ptr + b * HKV + h
+        finished = tl.atomic_add(count, 1, sem="acq_rel")
+        if finished == live_chunks - 1:
+            _merge(part_ptr, out_ptr, b, h, live_chunks, HQ, HKV, GROUP, GROUP_P2, D, CHUNKS)
+            tl.atomic_xchg(count, 0)
+
+    @triton.jit
     def _rotate(row, dims, other, sign, cos, sin, mask):
         x = tl.load(row + dims, mask=mask, other=0.0).to(tl.float32)
         x_swapped = tl.load(row + other, mask=mask, other=0.0).to(tl.float32)
@@ -66,7 +102,7 @@ if triton is not None:
         cache_ptr, plane_stride, kv_scale_ptr, part_ptr, count_ptr, out_ptr, scale, HQ: tl.constexpr,
         HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, D: tl.constexpr, QROWS: tl.constexpr,
         PAGE: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-        KV_FP8: tl.constexpr, INTERPRET: tl.constexpr,
+        KV_FP8: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -88,6 +124,11 @@ if triton is not None:
         freq = tl.where(first_half, dims, dims - HALF)
         cos = tl.load(cos_sin_ptr + pos * D + freq)
         sin = tl.load(cos_sin_ptr + pos * D + HALF + freq)
+        # Before gdc_wait, read only what no kernel of this step writes (ARCHITECTURE.md, invariant 13): positions,
+        # the page table, cos/sin.
+        if PDL:
+            tl.extra.cuda.gdc_wait()  # q, k and v of this step are written from here on
+            tl.extra.cuda.gdc_launch_dependents()
         dtype = q_ptr.dtype.element_ty
         if KV_FP8 and dtype == tl.bfloat16:
             # e4m3 widens to fp16 in one instruction (to bf16 only through float32): the products run in fp16.
@@ -198,6 +239,7 @@ def paged_decode(
     grid_chunks = min(chunks, triton.cdiv(page_table.shape[1] * cache.shape[2], chunk))
     fp8 = is_fp8_cache(cache, kv_scales)
     warps, stages = launch_config(dim, chunk, fp8)
+    pdl = use_pdl(q.device.index or 0)
     _chunk_attend[(batch, kv_heads, grid_chunks)](
         q, q.stride(0), kv, kv.stride(0), positions, rows, out_loc, cos_sin, page_table, page_table.stride(0), cache,
         cache.stride(0), kv_scales if fp8 else workspace, workspace, counters, out,
@@ -205,6 +247,7 @@ def paged_decode(
         HQ=heads, HKV=kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group), D=dim,
         QROWS=max(16, triton.next_power_of_2(group)), PAGE=cache.shape[2], CHUNK=chunk, CHUNKS_P2=chunks,
         BLOCK_N=FP8_BLOCK_TOKENS if fp8 else BLOCK_TOKENS, KV_FP8=fp8,
-        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps, num_stages=stages,
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", PDL=pdl,
+        launch_pdl=pdl, num_warps=warps, num_stages=stages,
     )
     return out
