@@ -2,6 +2,7 @@
 
     python scripts/bench_attention.py [--batch 256] [--kv-min 200 --kv-max 2000] [--page-size 16]
         [--heads 32 --kv-heads 8 --head-dim 64] [--impls cuda,tc_fa2,tc_fa3,xqa] [--layouts NHD,HND] [--fp8]
+        [--max-len 131072]
 
 Outputs are checked against the first implementation's. Only ``+rope`` entries (with our RoPE + KV-store kernel)
 and ``xqa_engine`` (the engine's FP8 decode: that kernel writing a dense q, then XQA) compare with ``paged``,
@@ -105,7 +106,7 @@ def paged_impl(a: argparse.Namespace, c: dict, settings: str = "") -> Callable:
     dev = c["q"].device
     q, kv = qkv_views(a, c["qkv"])
     cos_sin = cos_sin_table(a, c)
-    max_len = c["table"].shape[1] * a.page_size
+    max_len = a.max_len or c["table"].shape[1] * a.page_size
     chunk = pd.chunk_tokens(a.batch, a.kv_heads, max_len)
     chunks = pd.num_chunks(max_len, chunk)
     workspace = torch.empty(max(pd.workspace_size(a.batch, a.kv_heads, a.heads // a.kv_heads, a.head_dim, chunks), 1),
@@ -242,6 +243,8 @@ def main() -> None:
     p.add_argument("--impls", default="cuda,tc_fa2,tc_fa3,xqa")
     p.add_argument("--layouts", default="NHD,HND")
     p.add_argument("--fp8", action="store_true", help="an e4m3 cache (paged_decode and xqa)")
+    p.add_argument("--max-len", type=int, default=0,
+                   help="the engine's sequence limit, which sets paged_decode's chunk (default: the longest kv)")
     a = p.parse_args()
     dev = torch.device("cuda")
     print(f"batch {a.batch}, kv {a.kv_min}-{a.kv_max}, page {a.page_size}, heads {a.heads}/{a.kv_heads}x{a.head_dim}")

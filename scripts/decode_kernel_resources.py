@@ -49,7 +49,8 @@ def compile_kernel(a: argparse.Namespace, tokens: int, warps: int, stages: int):
              "part_ptr": "*fp32", "count_ptr": "*i32", "out_ptr": "*bf16", "scale": "fp32"}
     constants = dict(HQ=a.heads, HKV=a.kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group), D=a.head_dim,
                      QROWS=max(16, triton.next_power_of_2(group)), PAGE=a.page_size, CHUNK=1024, CHUNKS_P2=8,
-                     BLOCK_N=tokens, KV_FP8=a.fp8, INTERPRET=False, PDL=True)
+                     BLOCK_N=tokens, KV_FP8=a.fp8, INTERPRET=False,
+                     PDL=a.arch >= 90)  # griddepcontrol: Hopper and later
     names = pd._chunk_attend.arg_names
     source = ASTSource(
         fn=pd._chunk_attend, signature={**types, **dict.fromkeys(constants, "constexpr")},

@@ -92,8 +92,6 @@ def check_fp8_case(case: dict, attend) -> None:  # noqa: ANN001 - the kernel cal
     assert torch.equal(flat[1, case["out_loc"]].view(torch.uint8), v_ref.view(torch.uint8))
 
 
-
-
 def run(case: dict, chunk: int, chunks: int | None = None, workspace: torch.Tensor | None = None,
         counters: torch.Tensor | None = None) -> torch.Tensor:
     q, kv, cache = case["q"], case["kv"], case["cache"]

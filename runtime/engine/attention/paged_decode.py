@@ -125,7 +125,7 @@ if triton is not None:
         cos = tl.load(cos_sin_ptr + pos * D + freq)
         sin = tl.load(cos_sin_ptr + pos * D + HALF + freq)
         # Before gdc_wait, read only what no kernel of this step writes (ARCHITECTURE.md, invariant 13): positions,
-        # the page table, cos/sin.
+        # req_rows, cos/sin.
         if PDL:
             tl.extra.cuda.gdc_wait()  # q, k and v of this step are written from here on
             tl.extra.cuda.gdc_launch_dependents()
