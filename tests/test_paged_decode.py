@@ -155,6 +155,15 @@ def test_chunk_size_does_not_change_the_result():
         torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+def test_sequences_longer_than_their_chunks_split_over_them(chunks):
+    """Fewer chunks than the shortest chunk length needs (a long limit under the program caps): each sequence's
+    chunks grow to its share of its own length, the last one merging, and the result stays float64's."""
+    case = make_case(8, 2, 32, [3, 300, 700, 64], 16, torch.float32, seed=12)
+    ref = reference(case)[0]
+    torch.testing.assert_close(run(case, 64, chunks).double(), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_the_last_chunk_merges_and_leaves_its_counter_at_zero():
     """Two calls over one workspace and counter tensor larger than this batch needs (the engine shares them
     between graph sizes): the counters are back at zero after each call, and the results equal float64."""
@@ -175,21 +184,20 @@ def test_a_separate_q_tensor_is_read_through_its_strides():
 
 
 def test_chunk_rule():
-    """(request, KV head) pairs rounded up to a power of two, within 128-1024 tokens a chunk."""
+    """The shortest chunk: (request, KV head) pairs rounded up to a power of two, within 128-1024 tokens; the
+    chunk count: enough for the limit at that length, within the program and merge caps."""
     assert pd.chunk_tokens(16, 3) == 128
     assert pd.chunk_tokens(64, 3) == 256
     assert pd.chunk_tokens(128, 3) == 512
     assert pd.chunk_tokens(256, 3) == 1024
     assert pd.chunk_tokens(256, 8) == 1024
-    assert pd.chunk_tokens(256, 3, 2304) == 1024  # the benchmarks' limit: the rule alone (2,304 programs)
-    assert pd.chunk_tokens(16, 8, 2304) == 128
-    assert pd.chunk_tokens(256, 8, 8192) == 2048  # 2,048 pairs x 4 chunks: at MAX_PROGRAMS
-    assert pd.chunk_tokens(64, 8, 32768) == 2048  # 512 pairs x 16 chunks: at MAX_PROGRAMS
-    assert pd.chunk_tokens(4, 8, 32768) == 1024  # 32 chunks a sequence: at MAX_CHUNKS
-    assert pd.chunk_tokens(2, 8, 131072) == 4096  # 32 chunks of a 128k-token limit
-    assert pd.num_chunks(2304, 128) == 32  # the benchmarks' longest workspace axis (18 chunks launched)
-    assert pd.num_chunks(2304, 1024) == 4  # 3, rounded up to a power of two for the merge
+    assert pd.num_chunks(2304, 128) == 32  # the benchmarks' limit at one request (18 chunks launched)
+    assert pd.num_chunks(2304, 1024, 768) == 4  # 3, rounded up to a power of two for the merge
     assert pd.num_chunks(1000, 1024) == 1
+    assert pd.num_chunks(8192, 1024, 256 * 8) == 4  # 2,048 pairs x 4 chunks: at MAX_PROGRAMS
+    assert pd.num_chunks(32768, 512, 64 * 8) == 16  # 512 pairs x 16 chunks: at MAX_PROGRAMS
+    assert pd.num_chunks(131072, 128, 8) == 32  # one request under a 128k limit: at MAX_CHUNKS
+    assert pd.num_chunks(131072, 1024, 5000) == 1  # more pairs than half of MAX_PROGRAMS: one chunk each
     assert pd.supports(9, 3, 64, torch.bfloat16) and pd.supports(28, 4, 128, torch.float16)
     assert not pd.supports(9, 3, 80, torch.bfloat16)  # not a power of two
     assert not pd.supports(9, 3, 64, torch.float32)  # tl.dot would round to TF32

@@ -216,8 +216,8 @@ class FlashInferBackend:
             return
         if bs >= PAGED_DECODE_MIN_BATCH and pd.supports(hq, hkv, dim, self.dtype):
             max_len = max_pages_per_req * self.kv_cache.page_size
-            chunk = pd.chunk_tokens(bs, hkv, max_len)
-            chunks = pd.num_chunks(max_len, chunk)
+            chunk = pd.chunk_tokens(bs, hkv)
+            chunks = pd.num_chunks(max_len, chunk, bs * hkv)
             states = pd.workspace_size(bs, hkv, hq // hkv, dim, chunks)
             self._paged_workspace = grown(self._paged_workspace, states, torch.float32, dev)
             self._paged_counters = grown(self._paged_counters, bs * hkv, torch.int32, dev)

@@ -108,10 +108,12 @@ if triton is not None:
         h = tl.program_id(1)
         c = tl.program_id(2)
         pos = tl.load(pos_ptr + b)
-        start = c * CHUNK
+        # Every launched chunk shares this sequence's length (at least CHUNK tokens each), however long the limit.
+        span = tl.maximum(CHUNK, tl.cdiv(tl.cdiv(pos + 1, CHUNKS_P2), BLOCK_N) * BLOCK_N)
+        start = c * span
         if start > pos:  # the merge skips it
             return
-        cached_end = tl.minimum(start + CHUNK, pos)
+        cached_end = tl.minimum(start + span, pos)
         pages = table_ptr + tl.load(row_ptr + b).to(tl.int64) * table_stride
         head = cache_ptr + h * D + tl.arange(0, D)[None, :]
         g = tl.arange(0, QROWS)
@@ -138,7 +140,7 @@ if triton is not None:
         scale = scale * k_scale
         q_rows = q_ptr + b.to(tl.int64) * q_stride + (h * GROUP + g)[:, None] * D
         q = _rotate(q_rows, dims[None, :], swapped[None, :], sign, cos, sin, g_ok[:, None]).to(dtype)
-        if start + CHUNK > pos:
+        if start + span > pos:
             # Seeding the state from registers means no program reads a slot written in this step: nothing to order.
             # The seed is the value as cached, so this step sees what later steps will read.
             k_row = kv_ptr + b.to(tl.int64) * kv_stride + h * D
@@ -174,7 +176,7 @@ if triton is not None:
             tl.store(part[:, None] + dims[None, :], acc, mask=g_ok[:, None])
             tl.store(part + D, m, mask=g_ok)
             tl.store(part + D + 1, lsum, mask=g_ok)
-            _merge_if_last(part_ptr, count_ptr, out_ptr, b, h, tl.cdiv(pos + 1, CHUNK), HQ, HKV, GROUP, GROUP_P2, D,
+            _merge_if_last(part_ptr, count_ptr, out_ptr, b, h, tl.cdiv(pos + 1, span), HQ, HKV, GROUP, GROUP_P2, D,
                            CHUNKS_P2)
 
 
@@ -184,7 +186,8 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtyp
             and num_heads // num_kv_heads <= 16 and dtype in (torch.bfloat16, torch.float16))
 
 
-# Caps that grow the chunk for long sequences: the merge holds [chunks, group, head_dim] in one program.
+# Caps on the chunks a sequence that grow its chunks when it is long: the merge holds [chunks, group, head_dim]
+# in one program.
 MAX_PROGRAMS = 8192
 MAX_CHUNKS = 32
 
@@ -203,17 +206,17 @@ def launch_config(head_dim: int, chunk: int, fp8: bool = False) -> tuple[int, in
     return NUM_WARPS or warps, NUM_STAGES or stages
 
 
-def chunk_tokens(batch_size: int, kv_heads: int, max_len: int = 0) -> int:
-    """Tokens per program: short chunks when few (request, KV head) pairs must fill the SMs, longer ones otherwise."""
-    chunk = max(128, min(1024, triton.next_power_of_2(batch_size * kv_heads)))
-    while (batch_size * kv_heads * triton.cdiv(max_len, chunk) > MAX_PROGRAMS
-           or triton.cdiv(max_len, chunk) > MAX_CHUNKS):
-        chunk *= 2
-    return chunk
+def chunk_tokens(batch_size: int, kv_heads: int) -> int:
+    """The fewest tokens a program takes: short chunks when few (request, KV head) pairs must fill the SMs."""
+    return max(128, min(1024, triton.next_power_of_2(batch_size * kv_heads)))
 
 
-def num_chunks(max_len: int, chunk: int) -> int:
-    return triton.next_power_of_2(triton.cdiv(max_len, chunk))
+def num_chunks(max_len: int, chunk: int, pairs: int = 1) -> int:
+    """Chunks a sequence, a power of two for the merge: enough for ``max_len`` at ``chunk`` tokens, within
+    MAX_CHUNKS and MAX_PROGRAMS over ``pairs`` (request, KV head) pairs. The kernel splits each sequence's own
+    length over them, so a short one in a long limit still spreads over the SMs."""
+    cap = min(MAX_CHUNKS, 1 << (max(1, MAX_PROGRAMS // pairs).bit_length() - 1))
+    return min(triton.next_power_of_2(triton.cdiv(max_len, chunk)), cap)
 
 
 def workspace_size(batch_size: int, kv_heads: int, group: int, head_dim: int, chunks: int) -> int:
