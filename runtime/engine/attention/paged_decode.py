@@ -108,7 +108,7 @@ if triton is not None:
         h = tl.program_id(1)
         c = tl.program_id(2)
         pos = tl.load(pos_ptr + b)
-        # Every launched chunk shares this sequence's length (at least CHUNK tokens each), however long the limit.
+        # This sequence's own length split over the chunks (CHUNK tokens at least), whatever the limit.
         span = tl.maximum(CHUNK, tl.cdiv(tl.cdiv(pos + 1, CHUNKS_P2), BLOCK_N) * BLOCK_N)
         start = c * span
         if start > pos:  # the merge skips it
@@ -186,8 +186,8 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtyp
             and num_heads // num_kv_heads <= 16 and dtype in (torch.bfloat16, torch.float16))
 
 
-# Caps on the chunks a sequence that grow its chunks when it is long: the merge holds [chunks, group, head_dim]
-# in one program.
+# Caps on a sequence's chunk count (the merge holds [chunks, group, head_dim] in one program); past them a long
+# sequence gets longer chunks.
 MAX_PROGRAMS = 8192
 MAX_CHUNKS = 32
 
