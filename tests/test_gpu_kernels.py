@@ -147,6 +147,28 @@ def test_paged_decode_matches_float64(heads, kv_heads, dim, positions, chunk):
     assert (fused_k != unfused_k).sum() <= fused_k[0, 0].numel() * len(positions)  # only the new slots may differ
 
 
+def test_paged_decode_long_sequences_keep_their_bits_in_any_batch():
+    """Deterministic mode's chunks under a 65,536-token limit (1,024 tokens at least, 32 a sequence): a 40,000-token
+    sequence (chunks of 1,280) and shorter ones against float64, and each decoded alone gives the batch's bits."""
+    from runtime.engine.attention import paged_decode as pd
+    from runtime.engine.attention.flashinfer_backend import DETERMINISTIC_CHUNK_TOKENS
+    from tests.test_paged_decode import make_case, reference, run
+
+    positions = [40000, 2000, 5]
+    case = make_case(32, 8, 128, positions, 16, torch.bfloat16, device="cuda", seed=13)
+    case["cos_sin"] = rope_cos_sin_cache(40960, rope_inv_freq(128, 500000.0, None)).to("cuda")
+    chunk, chunks = DETERMINISTIC_CHUNK_TOKENS, pd.num_chunks(65536, DETERMINISTIC_CHUNK_TOKENS)
+    assert chunks == 32
+    ref = reference(case)[0]
+    together = run(case, chunk, chunks)
+    rel = float((together.double().cpu() - ref).norm() / ref.norm())
+    assert rel < 5e-3, rel
+    for b in range(len(positions)):
+        one = dict(case, q=case["q"][b : b + 1], kv=case["kv"][b : b + 1],
+                   **{k: case[k][b : b + 1] for k in ("pos", "rows", "out_loc")})
+        assert torch.equal(run(one, chunk, chunks), together[b : b + 1]), b
+
+
 def test_paged_decode_replays_in_a_cuda_graph_with_new_positions():
     """Captured once, replayed three times after the positions, rows and slots changed: equal to an eager call
     each time (the last chunk merges, so every replay must find its counters back at zero)."""

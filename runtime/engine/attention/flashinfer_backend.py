@@ -29,6 +29,8 @@ TENSOR_CORE_DECODE_MIN_BATCH = 4
 CUDA_CORE_GROUP_SIZES = (1, 2, 3, 4, 8)
 # Decode graphs from this batch up run paged_decode.py; below it (none by default), flashinfer's decode.
 PAGED_DECODE_MIN_BATCH = 1
+# Deterministic mode's shortest paged_decode chunk, the same for every batch.
+DETERMINISTIC_CHUNK_TOKENS = 1024
 # An FP8 cache decodes on XQA from this batch (a graph's padded size) up; below it paged_decode is faster
 # (scripts/bench_attention.py --fp8 --impls paged,xqa_engine --batch N).
 XQA_MIN_BATCH = 32
@@ -42,10 +44,6 @@ def paged_layout(kv_lens: np.ndarray, page_size: int) -> tuple[np.ndarray, np.nd
     indptr = np.concatenate(([0], np.cumsum(num_pages))).astype(np.int32)
     last_len = (kv_lens - (num_pages - 1) * page_size).astype(np.int32)
     return num_pages, indptr, last_len
-
-
-def triton_next_power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def grown(held: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -231,10 +229,11 @@ class FlashInferBackend:
         )
 
     def _paged_state(self, bs: int, max_pages_per_req: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
-        """paged_decode state with one chunk size for every batch, so the summation order never depends on it."""
+        """paged_decode state that no batch changes: chunks of 1,024 tokens (past 32,768, a sequence's own length
+        split over 32), so no batch changes a token's summation order."""
         hq, hkv, dim = self.heads
         max_len = max_pages_per_req * self.kv_cache.page_size
-        chunk = max(1024, triton_next_power_of_2(-(-max_len // pd.MAX_CHUNKS)))
+        chunk = DETERMINISTIC_CHUNK_TOKENS
         chunks = pd.num_chunks(max_len, chunk)
         states = pd.workspace_size(bs, hkv, hq // hkv, dim, chunks)
         self._paged_workspace = grown(self._paged_workspace, states, torch.float32, self.device)
