@@ -198,6 +198,7 @@ def test_chunk_rule():
     assert pd.num_chunks(32768, 512, 64 * 8) == 16  # 512 pairs x 16 chunks: at MAX_PROGRAMS
     assert pd.num_chunks(131072, 128, 8) == 32  # one request under a 128k limit: at MAX_CHUNKS
     assert pd.num_chunks(131072, 1024, 5000) == 1  # more pairs than half of MAX_PROGRAMS: one chunk each
+    assert pd.num_chunks(2304, 1024, 2048 * 8) == 1  # more pairs than MAX_PROGRAMS: still one chunk each
     assert pd.supports(9, 3, 64, torch.bfloat16) and pd.supports(28, 4, 128, torch.float16)
     assert not pd.supports(9, 3, 80, torch.bfloat16)  # not a power of two
     assert not pd.supports(9, 3, 64, torch.float32)  # tl.dot would round to TF32
