@@ -244,7 +244,7 @@ def main() -> None:
     p.add_argument("--layouts", default="NHD,HND")
     p.add_argument("--fp8", action="store_true", help="an e4m3 cache (paged_decode and xqa)")
     p.add_argument("--max-len", type=int, default=0,
-                   help="the engine's sequence limit, which sets paged_decode's chunk (default: the longest kv)")
+                   help="the engine's sequence limit, which sets paged_decode's chunk count (default: the page table's)")
     a = p.parse_args()
     dev = torch.device("cuda")
     print(f"batch {a.batch}, kv {a.kv_min}-{a.kv_max}, page {a.page_size}, heads {a.heads}/{a.kv_heads}x{a.head_dim}")

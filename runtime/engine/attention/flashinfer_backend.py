@@ -229,8 +229,8 @@ class FlashInferBackend:
         )
 
     def _paged_state(self, bs: int, max_pages_per_req: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
-        """paged_decode state that no batch changes: chunks of 1,024 tokens (past 32,768, a sequence's own length
-        split over 32), so no batch changes a token's summation order."""
+        """paged_decode state independent of the batch: chunks of 1,024 tokens (past 32,768 tokens, a sequence's
+        own length split over 32), so a token's summation order never depends on the other requests."""
         hq, hkv, dim = self.heads
         max_len = max_pages_per_req * self.kv_cache.page_size
         chunk = DETERMINISTIC_CHUNK_TOKENS
