@@ -22,6 +22,8 @@ BLOCK_TOKENS = 64
 # An e4m3 tile of 128 tokens holds the bytes of a 64-token bf16 one: with 64 the FP8 kernel kept too few bytes in
 # flight (scripts/bench_attention.py --fp8).
 FP8_BLOCK_TOKENS = 128
+# Triton picks interpreted or compiled when a kernel is defined (at import); read once here too, not per launch.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 if triton is not None:
     from runtime.engine.attention.kv_fp8 import load_scales, to_cache
@@ -250,7 +252,7 @@ def paged_decode(
         HQ=heads, HKV=kv_heads, GROUP=group, GROUP_P2=triton.next_power_of_2(group), D=dim,
         QROWS=max(16, triton.next_power_of_2(group)), PAGE=cache.shape[2], CHUNK=chunk, CHUNKS_P2=chunks,
         BLOCK_N=FP8_BLOCK_TOKENS if fp8 else BLOCK_TOKENS, KV_FP8=fp8,
-        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", PDL=pdl,
+        INTERPRET=INTERPRET, PDL=pdl,
         launch_pdl=pdl, num_warps=warps, num_stages=stages,
     )
     return out
