@@ -211,16 +211,17 @@ def _fine_grained_fp8(quant: dict[str, Any], source: str) -> Fp8Checkpoint:
     for field, supported in (("scale_fmt", "float"), ("expert_dtype", "fp8"), ("fmt", "e4m3")):
         if quant.get(field) not in (None, supported):
             raise _unsupported(source, f"quantization_config.{field}", quant[field], f" (only {supported!r})")
+    kv_scheme = quant.get("kv_cache_scheme")
+    if kv_scheme not in (None, "static"):
+        raise _unsupported(source, "quantization_config.kv_cache_scheme", kv_scheme, " (AutoFP8 writes 'static')")
+    kv_scales = kv_scheme == "static"
     if "weight_block_size" not in quant:
-        kv_scheme = quant.get("kv_cache_scheme")
-        if kv_scheme not in (None, "static"):
-            raise _unsupported(source, "quantization_config.kv_cache_scheme", kv_scheme, " (AutoFP8 writes 'static')")
-        return Fp8Checkpoint("fp8", "weight_scale", ("tensor",), kv_scales=kv_scheme == "static")
+        return Fp8Checkpoint("fp8", "weight_scale", ("tensor",), kv_scales=kv_scales)
     block = quant["weight_block_size"]
     if block is None:
-        return Fp8Checkpoint("fp8", "weight_scale_inv", ("tensor",))
+        return Fp8Checkpoint("fp8", "weight_scale_inv", ("tensor",), kv_scales=kv_scales)
     return Fp8Checkpoint("fp8", "weight_scale_inv", ("block",),
-                         _block_size(block, source, "quantization_config.weight_block_size"))
+                         _block_size(block, source, "quantization_config.weight_block_size"), kv_scales=kv_scales)
 
 
 def _compressed_tensors(quant: dict[str, Any], source: str) -> Fp8Checkpoint:

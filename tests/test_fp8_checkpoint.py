@@ -381,6 +381,7 @@ REFUSED = {
     "fp8_activations": ({**_fine_grained(), "activation_scheme": "per_group"}, r"activation_scheme='per_group'"),
     "fp8_ue8m0": ({**_fine_grained(), "scale_fmt": "ue8m0"}, r"scale_fmt='ue8m0'"),
     "autofp8_kv_dynamic": ({**_autofp8(), "kv_cache_scheme": "dynamic"}, r"kv_cache_scheme='dynamic'"),
+    "fp8_block_kv_dynamic": ({**_fine_grained(), "kv_cache_scheme": "dynamic"}, r"kv_cache_scheme='dynamic'"),
 }
 
 
@@ -405,7 +406,8 @@ def test_a_block_checkpoint_whose_config_omits_the_block_size_says_so(base_dir, 
         _load(ckpt_dir, "fp8")
 
 
-@pytest.mark.parametrize("damage", ["missing", "wrong_shape", "unquantised_weight", "no_config"])
+@pytest.mark.parametrize("damage", ["missing", "wrong_shape", "unquantised_weight", "no_config", "nan", "inf",
+                                    "negative"])
 def test_a_bad_scale_fails_at_load_naming_the_tensor(base_dir, tmp_path, damage):
     config = _compressed_tensors({"group_0": (["Linear"], _ct_weights("channel"))}, ["lm_head"])
     ckpt_dir = _write_fp8(base_dir, tmp_path / "ckpt", config, _projections("channel"))
@@ -421,6 +423,11 @@ def test_a_bad_scale_fails_at_load_naming_the_tensor(base_dir, tmp_path, damage)
         weight = scale[: -len("_scale")]
         tensors[weight] = tensors[weight].float()
         expected = rf"{scale} .* scales {weight}, which is stored in F32"
+    elif damage in ("nan", "inf", "negative"):
+        value = {"nan": float("nan"), "inf": float("inf"), "negative": -0.5}[damage]
+        tensors[scale] = tensors[scale].clone()
+        tensors[scale][7] = value
+        expected = rf"{scale} in .* holds {value} at \[7, 0\] \(1 bad of 96\); .* finite and not negative"
     else:
         config_file = ckpt_dir / "config.json"
         config_file.write_text(json.dumps({k: v for k, v in json.loads(config_file.read_text()).items()

@@ -27,6 +27,7 @@ from tests.test_fp8_checkpoint import (
     _autofp8,
     _compressed_tensors,
     _ct_weights,
+    _fine_grained,
     _projections,
     _prompts,
     _random_checkpoint,
@@ -223,6 +224,20 @@ def test_an_autofp8_checkpoint_with_kv_scales_loads_as_published(base_dir, tmp_p
     k_rows = slice(LLAMA["num_attention_heads"] * LLAMA["head_dim"], None)
     assert qkv.weight.dtype == fp8.FP8
     assert torch.equal(qkv.weight_scale[k_rows][:1], tensors["model.layers.0.self_attn.k_proj.weight_scale"].reshape(1))
+
+
+def test_a_block_wise_checkpoint_with_kv_scales_loads_them(base_dir, tmp_path):
+    """transformers' block-wise FP8 layout with a static KV-cache scheme: the K and V scales under their names."""
+    config = {**_fine_grained(), "kv_cache_scheme": "static"}
+    published = _write_fp8(base_dir, tmp_path / "weights", config, _projections("block"), "weight_scale_inv")
+    tensors = load_file(published / "model.safetensors")
+    for layer, pair in enumerate(SCALES.tolist()):
+        for kind, value in zip("kv", pair):
+            tensors[_kv_name(layer, kind)] = torch.tensor(value)
+    ckpt = _save(tensors, json.loads((published / "config.json").read_text()), tmp_path / "ckpt")
+    cfg = ModelConfig.from_dir(ckpt)
+    assert cfg.kv_scales and cfg.checkpoint_fp8.strategies == ("block",)
+    assert torch.equal(_cache_scales(0, str(ckpt))["cache"], SCALES)
 
 
 # --- refusals ---------------------------------------------------------------------------------------------

@@ -121,8 +121,9 @@ def load_model(
             if ckpt_name in layout.scales:
                 scale, strategy = layout.scales[ckpt_name]
                 assert cfg.checkpoint_fp8 is not None  # fp8_layout found no FP8 tensor without it
-                source = Fp8Weight(source, handles[index[scale].file].get_slice(index[scale].stored_as), strategy,
-                                   cfg.checkpoint_fp8.block, device)
+                scales = handles[index[scale].file].get_slice(index[scale].stored_as)
+                _check_scale_values(scales, scale, path / index[scale].file)
+                source = Fp8Weight(source, scales, strategy, cfg.checkpoint_fp8.block, device)
             params[param_name].weight_loader(params[param_name], source, shard_id)
             filled.add(param_name)
     # Guards checkpoint_shapes itself: an unfilled parameter would keep uninitialised memory.
@@ -176,6 +177,17 @@ def fp8_layout(path: Path, index: dict[str, TensorInfo], quant: Fp8Checkpoint | 
                              f"only {FP8_DTYPE} weights have scales")
     activation_scales = frozenset(n for n in index if n.rsplit(".", 1)[-1] in ACTIVATION_SCALES)
     return Fp8Layout(scales, activation_scales, used | activation_scales)
+
+
+def _check_scale_values(scales: SliceSource, name: str, file: Path) -> None:
+    """A NaN, infinite or negative scale is corrupt data: refused at load, not found in the logits later. (Zero is
+    kept: it is what a quantiser writes for an all-zero row.) Scales are small, so every rank reads them whole."""
+    values = scales[...].float()
+    bad = ~(torch.isfinite(values) & (values >= 0))
+    if bad.any():
+        raise ValueError(f"checkpoint tensor {name} in {file} holds {values[bad].reshape(-1)[0].item()} at "
+                         f"{[int(i) for i in bad.nonzero()[0]]} ({int(bad.sum())} bad of {values.numel()}); "
+                         "a weight scale must be finite and not negative")
 
 
 def _fp8_scale(path: Path, index: dict[str, TensorInfo], name: str,
