@@ -101,6 +101,8 @@ def _write_inputs(folder: Path) -> dict[str, Path]:
     for i, start in enumerate((0, 3, 5)):  # shard names sort in row order
         pq.write_table(table.slice(start, {0: 3, 3: 2, 5: 3}[start]), paths["shards"] / f"part-{i:05d}.parquet")
     (paths["shards"] / "_SUCCESS").write_text("")  # what Spark leaves; not a shard
+    (paths["shards"] / "README.md").write_text("# a dataset card\n")  # beside the shards of a downloaded dataset
+    (paths["shards"] / "out.jsonl.lock").write_text("")  # a job's own files, its output in the input folder
     try:
         import datasets
     except ImportError:  # the layout save_to_disk writes: Arrow stream files listed in state.json
@@ -119,7 +121,8 @@ def test_every_table_kind_with_renamed_columns_gives_the_jsonl_texts(llm, refere
         out = tmp_path / f"{kind}.jsonl"
         metrics = _job(llm, path, out, id="qid", prompt="question")
         assert metrics["completed"] == len(IDS) and metrics["errors"] == 0, kind
-        assert _texts(out) == reference, kind
+        # CSV holds text: its ids come back as written
+        assert _texts(out) == ({str(k): v for k, v in reference.items()} if kind == "csv" else reference), kind
     assert table_kind(tmp_path / "saved") == "datasets" and table_kind(tmp_path / "shards") == "parquet"
 
 
@@ -176,6 +179,18 @@ def test_parquet_output_resumes_and_holds_logprobs_and_samples(llm, reference, t
     assert row["id"] == "x" and row["text"] is None and [c["index"] for c in row["choices"]] == [0, 1]
     entry = row["choices"][0]["logprobs"][0]
     assert set(entry) == {"token_id", "logprob", "top"} and len(entry["top"]) == 2
+
+
+def test_csv_columns_are_read_as_written(tmp_path):
+    """Ids keep their leading zeros, and a column that looks numeric for its first blocks may hold text later."""
+    path = tmp_path / "in.csv"
+    ids = ["007", "8", *(str(i) for i in range(100, 40_100)), "abc"]  # over a megabyte: several blocks
+    path.write_text("id,prompt,tag\n" + "".join(f"{i},say something number {i},{i}\n" for i in ids))
+    table = TableInput(path, "csv", _columns(keep=["tag"]))
+    assert table.id_type == "str" and table.kept_fields() == [pa.field("tag", pa.string())]
+    rows = list(table.rows(llm_defaults(), chat_template=False))
+    assert [r.id for r in rows] == ids and all(r.error is None for r in rows)
+    assert rows[0].keep == {"tag": "007"} and rows[-1].keep == {"tag": "abc"}
 
 
 # ---- bad inputs --------------------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.csv as pa_csv
-import pyarrow.dataset as pa_dataset
 import pyarrow.parquet as pq
 
 from runtime.frontend.job_files import InputError, JobRow, normalize_id
@@ -35,13 +34,23 @@ def table_kind(path: Path) -> str | None:
                              f"at one split's folder (e.g. {path / (splits[0] if splits else 'train')})")
         if (path / "state.json").is_file():
             return "datasets"
-        if any(path.rglob("*.parquet")):
+        if _data_files(path, PARQUET_SUFFIXES):
             return "parquet"
-        if any(path.rglob("*.arrow")):
+        if _data_files(path, (".arrow",)):
             return "arrow"
         raise InputError(f"job.input={path} is a folder without .parquet or .arrow files (nor a folder written by "
                          "datasets' save_to_disk)")
     return SUFFIXES.get(path.suffix.lower())
+
+
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
+def _data_files(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
+    """A folder's shards, in name order: files with one of ``suffixes``, none under a name starting with '.' or
+    '_' (Spark's _SUCCESS, a job's own lock). A dataset card or any other file beside them is not a shard."""
+    return sorted(f for f in folder.rglob("*") if f.suffix.lower() in suffixes and f.is_file()
+                  and not any(part.startswith((".", "_")) for part in f.relative_to(folder).parts))
 
 
 @dataclass
@@ -85,12 +94,7 @@ class TableInput:
             state = json.loads((path / "state.json").read_text())
             files = [path / f["filename"] for f in state.get("_data_files", [])]
         elif path.is_dir():
-            suffix = ".parquet" if self.kind == "parquet" else ".arrow"
-            if self.kind == "parquet":
-                files = [Path(f) for f in pa_dataset.dataset(path, format="parquet").files]
-            else:
-                files = list(path.rglob("*" + suffix))
-            files = sorted(files)
+            files = _data_files(path, PARQUET_SUFFIXES if self.kind == "parquet" else (".arrow",))
         else:
             files = [path]
         if not files:
@@ -101,8 +105,9 @@ class TableInput:
         try:
             if self.kind == "parquet":
                 return pq.ParquetFile(file).schema_arrow
-            if self.kind == "csv":
-                return pa_csv.open_csv(file, parse_options=self._csv_parse()).schema
+            if self.kind == "csv":  # text as written: "007" stays an id, a late "abc" cannot break a column's type
+                names = pa_csv.open_csv(file, parse_options=self._csv_parse()).schema.names
+                return pa.schema([pa.field(name, pa.string()) for name in names])
             return self._open_arrow(file).schema
         except (pa.ArrowException, OSError) as exc:
             raise InputError(f"job.input={file} is not a readable {_KIND_NAMES[self.kind]} file: "
@@ -167,7 +172,7 @@ class TableInput:
                 raise InputError(f"{file} has no column(s) {absent}; its columns: {reader.schema_arrow.names}")
             yield from reader.iter_batches(batch_size=BATCH_ROWS, columns=wanted)
         elif self.kind == "csv":
-            text = {n: pa.string() for n in (self.columns.prompt, self.columns.messages) if n}
+            text = dict.fromkeys(wanted, pa.string())
             yield from pa_csv.open_csv(file, parse_options=self._csv_parse(),
                                        convert_options=pa_csv.ConvertOptions(include_columns=wanted, column_types=text))
         else:
