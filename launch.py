@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         try:  # bad input fails before the model loads
             paths = JobPaths.from_config(cfg.job)
             paths.check_distinct()
+            paths.check_writable()
             output_format(paths.output, open_input(paths.input, cfg.job, SamplingParams(**vars(cfg.sampling))))
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)

@@ -4,6 +4,7 @@ retry what failed (in-process, on a tiny model)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -133,6 +134,24 @@ def test_side_files_never_collide_and_the_metrics_folder_is_made(tmp_path):
     assert paths(tmp_path / "out.jsonl").errors == tmp_path / "out.errors.jsonl"  # the documented name
     with pytest.raises(ValueError, match="'job.output' and 'job.errors' name the same file"):
         paths(tmp_path / "out.jsonl", errors=str(tmp_path / "out.jsonl")).check_distinct()
+
+
+def test_an_output_that_cannot_be_written_fails_before_the_model_loads(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    _write(rows, [json.dumps({"id": 1, "prompt": [5]}).encode()])
+    cases = {tmp_path: "'job.output'=.* is a folder; name a file in it",
+             rows / "o.jsonl": "'job.output'=.*: its folder cannot be made"}
+    for output, message in cases.items():
+        proc = subprocess.run([sys.executable, "launch.py", "model.path=/nonexistent", f"job.input={rows}",
+                               f"job.output={output}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+        assert proc.returncode == 2 and len(errors) == 1 and re.search(message, errors[0]), proc.stderr
+        assert "Traceback" not in proc.stderr and "nonexistent" not in proc.stderr  # before the model
+    metrics_in_a_file = JobPaths.from_config(SimpleNamespace(input=str(rows), output=str(tmp_path / "o.jsonl"),
+                                                             errors="", metrics=str(rows / "m.json")))
+    with pytest.raises(ValueError, match="'job.metrics'=.*: its folder cannot be made"):
+        metrics_in_a_file.check_writable()
+    assert rows.is_file()
 
 
 def test_latency_is_from_claim_to_result(tiny_llama_dir, tmp_path):

@@ -53,6 +53,7 @@ def run_job(llm: Any, config_yaml: str, output_locked: bool = False) -> dict[str
     if not paths.input.exists():
         raise FileNotFoundError(f"job.input={paths.input} does not exist")
     paths.check_distinct()
+    paths.check_writable()
     source = open_input(paths.input, job, llm.default_sampling())
     out_format = output_format(paths.output, source)
     start = time.perf_counter()

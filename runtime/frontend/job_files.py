@@ -70,6 +70,20 @@ class JobPaths:
             if other != key:
                 raise ConfigError(f"config keys '{other}' and '{key}' name the same file ({path})")
 
+    def check_writable(self) -> None:
+        """The output files can be made: checked before the model loads, so a typo costs seconds, not a load."""
+        for key, path in (("job.output", self.output), ("job.errors", self.errors), ("job.metrics", self.metrics)):
+            if path.is_dir():
+                raise ConfigError(f"config key '{key}'={path} is a folder; name a file in it")
+            folder = path.parent
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(f"config key '{key}'={path}: its folder cannot be made ({exc.strerror}: "
+                                  f"{exc.filename or folder})") from None
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise ConfigError(f"config key '{key}'={path}: its folder {folder} is not writable")
+
 
 def _beside(out: Path, suffix: str) -> Path:
     """A side file of the output: ``out.jsonl`` -> ``out<suffix>``, other names keep their whole name, so
