@@ -108,6 +108,17 @@ def test_a_torn_last_line_is_cut_before_new_rows_are_appended(tiny_llama_dir, tm
     assert sorted(json.loads(line)["id"] for line in lines) == [0, 1, 2, 3]  # every line a whole row
 
 
+def test_a_whole_last_line_without_its_newline_is_kept(tiny_llama_dir, tmp_path):
+    rows = [{"id": i, "prompt": [5, 6, 7 + i], "sampling": {"max_new_tokens": 2}} for i in range(3)]
+    _write(tmp_path / "rows.jsonl", [json.dumps(r).encode() for r in rows])
+    done = [json.dumps({"id": 0, "text": "x"}), json.dumps({"id": 1, "text": "y"})]
+    (tmp_path / "out.jsonl").write_text("\n".join(done))  # as an editor saves it: no newline at the end
+    m = run_job(_llm(tiny_llama_dir, tmp_path), "cfg")
+    assert (m["already_done"], m["completed"]) == (2, 1)
+    lines = (tmp_path / "out.jsonl").read_text().splitlines()
+    assert lines[:2] == done and [json.loads(line)["id"] for line in lines] == [0, 1, 2]
+
+
 def test_input_and_output_must_differ(tiny_llama_dir, tmp_path):
     rows = tmp_path / "rows.jsonl"
     _write(rows, [json.dumps({"id": 1, "prompt": [5]}).encode()])
@@ -168,6 +179,7 @@ def test_latency_is_from_claim_to_result(tiny_llama_dir, tmp_path):
 @pytest.mark.parametrize(("line", "reason"), [
     (b'{"id": 1, "prompt": "a\tb"}', "Invalid control character at column 23"),  # a raw tab inside a string
     (b'{"id": 1, "prompt": "ab",}', "Expecting property name enclosed in double quotes at column 26"),
+    (b'{"id": 3, "prompt": "x"', "Expecting ',' delimiter at column 24"),  # cut short: at its end
 ])
 def test_a_line_that_is_not_json_says_why_once(tmp_path, line, reason):
     from runtime.frontend.job_files import read_rows

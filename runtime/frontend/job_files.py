@@ -172,6 +172,7 @@ def normalize_id(value: Any) -> str | int | None:
 
 
 def _load_json(line: str, line_no: int) -> tuple[Any, str | None]:
+    line = line.rstrip("\r\n")  # a line cut short is then reported at its end, not at column 1 of the next
     try:
         return json.loads(line), None
     except json.JSONDecodeError as exc:
@@ -240,10 +241,24 @@ def whole_lines(path: Path, repair: bool = False) -> list[bytes]:
         return []
     data = path.read_bytes()
     whole = data[: data.rfind(b"\n") + 1]
-    if repair and len(whole) != len(data):
+    if len(whole) != len(data) and _is_object(data[len(whole):]):  # whole, only its newline missing (an edit)
+        whole = data + b"\n"
+    if repair and whole != data:
         with open(path, "r+b") as f:
-            f.truncate(len(whole))
+            if len(whole) < len(data):
+                f.truncate(len(whole))
+            else:
+                f.seek(len(data))
+                f.write(b"\n")
     return whole.split(b"\n")[:-1]
+
+
+def _is_object(line: bytes) -> bool:
+    """Whether ``line`` is a whole JSON object: a writer killed mid-line never leaves one."""
+    try:
+        return isinstance(json.loads(line), dict)
+    except (ValueError, RecursionError):
+        return False
 
 
 def row_key(line: bytes) -> str | None:
