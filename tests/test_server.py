@@ -230,6 +230,27 @@ def test_32_concurrent_streams_complete_with_generates_texts(server, llm):
     assert asyncio.run(run_all()) == refs
 
 
+def test_a_call_aborted_while_queued_is_never_admitted(llm):
+    """The client leaves before the loop takes its call from the queue: the abort is seen first, and the call must
+    not then take a row and pages that nothing would give back."""
+    from runtime.frontend.serving import Call, Serving
+
+    serving = Serving(llm)  # not started: its loop's refill runs here, on this thread
+    free_rows, free_pages = len(llm.scheduler.free_rows), llm.scheduler.allocator.num_free
+    reqs = llm.make_requests("Hello there", SamplingParams(n=4, max_new_tokens=3))
+    loop = asyncio.new_event_loop()
+    try:
+        call = Call(reqs, reqs[0].prompt_len, False, loop)
+        serving.submit(call)
+        serving.abort(call)
+        assert serving._refill()
+        assert call.finished and all(r.finish_reason == "abort" for r in reqs)
+        assert not llm.scheduler.waiting and llm.scheduler.idle and not serving._calls
+        assert (len(llm.scheduler.free_rows), llm.scheduler.allocator.num_free) == (free_rows, free_pages)
+    finally:
+        loop.close()
+
+
 @pytest.mark.slow
 def test_a_client_that_leaves_mid_stream_gives_its_pages_back(server, client):
     stream = client.completions.create(model="smol", prompt="Tell me a long story.", stream=True, max_tokens=3000,

@@ -124,6 +124,8 @@ class Serving:
         return True
 
     def _admit(self, call: Call) -> None:
+        if call.finished:  # its client left while it was queued: closed by the abort, never admitted
+            return
         for req in call.reqs:
             self._calls[req.uid] = call
         try:
