@@ -62,10 +62,10 @@ def test_chat_body_maps_to_sampling_params():
     assert (sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.n) == (9, 0.5, 0.9, 3)
     assert (sampling.stop, sampling.seed, sampling.logprobs, sampling.top_k) == (["\n"], 4, 2, 5)
     assert sampling.ignore_eos and sampling.stop_token_ids == [7]
-    assert request == openai_api.Request(CHAT, "m", 2)
+    assert request == openai_api.Request(CHAT, "m", 2, max_tokens=9)
     _, plain, request = openai_api.parse_body(CHAT, {"messages": messages, "logprobs": True}, DEFAULTS)
     assert plain.max_new_tokens == 7 and plain.temperature == 0.0 and plain.logprobs == 0  # defaults; k = 0
-    assert request.model is None and request.logprobs == 0
+    assert request.model is None and request.logprobs == 0 and request.max_tokens is None  # not asked for
     assert openai_api.parse_body(CHAT, {"messages": messages}, DEFAULTS)[2].logprobs is None
 
 
@@ -73,7 +73,7 @@ def test_completion_body_maps_to_sampling_params():
     prompt, sampling, request = openai_api.parse_body(COMPLETIONS, {
         "prompt": "Once", "max_tokens": 3, "logprobs": 4, "n": 2, "echo": False, "best_of": 1}, DEFAULTS)
     assert prompt == "Once" and (sampling.max_new_tokens, sampling.logprobs, sampling.n) == (3, 4, 2)
-    assert request == openai_api.Request(COMPLETIONS, None, 4)
+    assert request == openai_api.Request(COMPLETIONS, None, 4, max_tokens=3)
     assert openai_api.parse_body(COMPLETIONS, {"prompt": [1, 2, 3]}, DEFAULTS)[0] == [1, 2, 3]
     assert openai_api.parse_body(COMPLETIONS, {"prompt": [[1, 2]]}, DEFAULTS)[0] == [1, 2]  # a batch of one
 

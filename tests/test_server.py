@@ -210,6 +210,9 @@ def test_bad_bodies_get_400_in_openais_shape_and_the_server_stays_up(server, cli
         assert status == 400, (body[:60], answer)
         assert set(answer["error"]) == {"message", "type", "param", "code"} and answer["error"]["message"]
     assert post(b'{"prompt": "x"}', "/v1/nowhere")[0] == 404
+    status, answer = post(b'{"prompt": [5, 6, 7], "max_tokens": 1000000}', "/v1/completions")
+    assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer  # not cut short
+    assert answer["error"]["type"] == "invalid_request_error" and "3 in the prompt" in answer["error"]["message"]
     ok = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], **greedy(4))
     assert ok.choices[0].message.content is not None
 

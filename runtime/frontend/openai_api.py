@@ -48,6 +48,7 @@ class Request:
     logprobs: int | None
     stream: bool = False
     include_usage: bool = False
+    max_tokens: int | None = None  # as the client asked (max_tokens or max_completion_tokens)
 
 
 def parse_line(obj: Any, defaults: SamplingParams) -> tuple[Any, SamplingParams, Request]:
@@ -111,7 +112,18 @@ def _parse(url: str, body: dict[str, Any], defaults: SamplingParams, server: boo
         for ours, theirs in names.items():
             message = message.replace(f"sampling parameter {ours}=", f"{theirs}=")
         raise RequestError("invalid_request", message.replace("sampling parameter ", "")) from None
-    return prompts, sampling, Request(url, model, logprobs, stream, include_usage)
+    return prompts, sampling, Request(url, model, logprobs, stream, include_usage,
+                                      sampling.max_new_tokens if lengths else None)
+
+
+def check_context(request: Request, prompt_tokens: int, max_seq_len: int) -> None:
+    """A length the client asked for must fit beside its prompt (as OpenAI refuses it); a default length is cut
+    to what fits."""
+    if request.max_tokens is not None and prompt_tokens + request.max_tokens > max_seq_len:
+        raise RequestError("context_length_exceeded",
+                           f"the maximum context length is {max_seq_len} tokens (model.max_seq_len); this request "
+                           f"asks for {prompt_tokens + request.max_tokens} ({prompt_tokens} in the prompt, "
+                           f"max_tokens={request.max_tokens})")
 
 
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:

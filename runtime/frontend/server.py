@@ -45,8 +45,7 @@ STATE = web.AppKey("state", ServerState)
 
 
 def _error(status: int, message: str, code: str | None = None, param: str | None = None) -> web.Response:
-    kind = {401: "authentication_error", 404: "not_found_error", 503: "service_unavailable"}.get(
-        status, "invalid_request_error" if status < 500 else "server_error")
+    kind = "invalid_request_error" if status < 500 else "server_error"  # OpenAI's types; the code says more
     return web.json_response(api.error_body(message, code, param, kind), status=status)
 
 
@@ -123,6 +122,7 @@ async def _complete(request: web.Request, url: str) -> web.StreamResponse:
         reqs, prompt_tokens = [], 0
         for prompt in prompts:
             group = state.llm.make_requests(prompt, sampling)
+            api.check_context(spec, group[0].prompt_len, state.llm.engine.max_seq_len)
             state.llm.scheduler.check(group[0])
             reqs += group
             prompt_tokens += group[0].prompt_len
