@@ -104,6 +104,17 @@ def test_grid_and_zip_give_eight_runs_results_and_a_rerun_skips_them(model_dir, 
     assert (out / "results.png").is_file() == HAVE_MATPLOTLIB  # without matplotlib: a warning, no plot
 
 
+def test_results_count_an_openai_batch_outputs_served_lines_and_their_tokens(model_dir, rows, tmp_path):
+    batch = tmp_path / "batch.jsonl"
+    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"prompt": f"Row {i}:", "max_tokens": 3}}) for i in range(4)]
+    batch.write_text("\n".join([*lines, '{"custom_id": "bad", "method": ']) + "\n")  # one line is not JSON
+    file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, grid={"sampling.temperature": [0.0, 0.7]})
+    assert sweep.main(["--sweep-file", str(file), f"job.input={batch}"]) == 0
+    table = results(tmp_path / "out")
+    assert [(r["status"], r["rows"], r["errors"], r["output_tokens"]) for r in table] == [("done", "4", "1", "12")] * 2
+
+
 def test_the_plot_draws_one_line_per_value_of_the_other_keys(tmp_path):
     pytest.importorskip("matplotlib")
     spec = Sweep(source="test", base=[], overrides=[], grid={"a.x": ["1", "2"], "b.y": ["p", "q"]}, zip={},

@@ -14,7 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from runtime.frontend.job_files import done_ids, whole_lines
+from runtime.frontend import openai_api
+from runtime.frontend.job_files import normalize_id, whole_lines
 from runtime.frontend.sweep_plan import PENDING, RESULT_COLUMNS, Run, Sweep, write_atomic
 
 log = logging.getLogger(__name__)
@@ -30,11 +31,12 @@ def result_row(sweep: Sweep, run: Run) -> dict[str, Any]:
     job_s = sum(a.get("job_s", 0.0) for a in attempts)
     generated = sum(a.get("output_tokens", 0) for a in attempts)
     row: dict[str, Any] = {"run": run.index, "name": run.name, **run.swept_values()}
+    served, tokens = _served(paths.output)
     row.update(
         status=record.get("status", PENDING),
-        rows=len(done_ids(paths.output, repair=False)),
+        rows=served,
         errors=len(whole_lines(paths.errors)),
-        output_tokens=_output_tokens(paths.output),
+        output_tokens=tokens,
         tokens_per_s=round(generated / job_s, 2) if job_s > 0 else None,
         wall_s=round(sum(a.get("wall_s", 0.0) for a in attempts), 3) if attempts else None,
         load_s=round(sum(a.get("load_s", 0.0) for a in attempts), 3) if attempts else None,
@@ -123,14 +125,27 @@ def write_plot(sweep: Sweep, rows: list[dict[str, Any]], path: Path) -> Path | N
     return path
 
 
-def _output_tokens(path: Path) -> int:
-    total = 0
+def _served(path: Path) -> tuple[int, int]:
+    """Rows served and the tokens they generated, from a native output or an OpenAI batch one (whose result
+    lines keep the count in ``response.body.usage``; its error lines are not served rows)."""
+    keys: set[str] = set()
+    tokens = 0
     for line in whole_lines(path):
         try:
-            total += int(json.loads(line).get("completion_tokens", 0))
-        except (ValueError, TypeError, AttributeError):
-            continue  # not a result row (done_ids warns about those)
-    return total
+            obj = json.loads(line)
+            if "custom_id" in obj:
+                if not openai_api.is_served(obj):
+                    continue
+                key, counts = obj["custom_id"], obj["response"]["body"]["usage"]
+            else:
+                key, counts = normalize_id(obj["id"]), obj
+            count = int(counts.get("completion_tokens", 0))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            continue  # not a result line
+        if key is not None and json.dumps(key) not in keys:
+            keys.add(json.dumps(key))
+            tokens += count
+    return len(keys), tokens
 
 
 def _read_json(path: Path) -> dict[str, Any]:
