@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             paths = JobPaths.from_config(cfg.job)
             paths.check_distinct()
             paths.check_writable()
+            paths.check_same_rows(to_yaml(cfg))
             output_format(paths.output, open_input(paths.input, cfg.job, SamplingParams(**vars(cfg.sampling))))
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)

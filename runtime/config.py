@@ -269,5 +269,15 @@ def load_config(paths: list[str | Path] | None = None, overrides: list[str] | No
     return cfg
 
 
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config as ``{"section.key": value}``."""
+    if not isinstance(node, dict):
+        return {prefix.rstrip("."): node}
+    flat: dict[str, Any] = {}
+    for key, value in node.items():
+        flat.update(flatten(value, f"{prefix}{key}."))
+    return flat
+
+
 def to_yaml(cfg: RuntimeConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))

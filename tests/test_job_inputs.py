@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from runtime import LLM
+from runtime.config import to_yaml
 from runtime.frontend.job import run_job
 from runtime.frontend.job_files import JobPaths
 
@@ -117,6 +118,34 @@ def test_a_whole_last_line_without_its_newline_is_kept(tiny_llama_dir, tmp_path)
     assert (m["already_done"], m["completed"]) == (2, 1)
     lines = (tmp_path / "out.jsonl").read_text().splitlines()
     assert lines[:2] == done and [json.loads(line)["id"] for line in lines] == [0, 1, 2]
+
+
+def test_a_rerun_with_other_row_settings_is_refused_before_it_serves(tiny_llama_dir, tmp_path):
+    rows = [{"id": i, "prompt": [5, 6, 7 + i]} for i in range(3)]
+    _write(tmp_path / "rows.jsonl", [json.dumps(r).encode() for r in rows[:2]])
+    first = _llm(tiny_llama_dir, tmp_path, "sampling.max_new_tokens=2")
+    assert run_job(first, to_yaml(first.cfg))["completed"] == 2
+    _write(tmp_path / "rows.jsonl", [json.dumps(r).encode() for r in rows])
+    output, record = (tmp_path / "out.jsonl").read_bytes(), (tmp_path / "out.config.yaml").read_text()
+    changed = _llm(tiny_llama_dir, tmp_path, "sampling.max_new_tokens=3", "sampling.temperature=0.5")
+    with pytest.raises(ValueError, match=r"holds rows made with other settings \(sampling.max_new_tokens: 2 then, 3 "
+                                         r"now; sampling.temperature: .*\): use another job.output, or delete .*"
+                                         r"out\.config\.yaml"):
+        run_job(changed, to_yaml(changed.cfg))
+    assert (tmp_path / "out.jsonl").read_bytes() == output and (tmp_path / "out.config.yaml").read_text() == record
+    proc = subprocess.run([sys.executable, "launch.py", f"model.path={tiny_llama_dir}", "engine.device=cpu",
+                           "model.dtype=float32", "model.max_seq_len=64", f"job.input={tmp_path / 'rows.jsonl'}",
+                           f"job.output={tmp_path / 'out.jsonl'}", "sampling.max_new_tokens=3", "sampling.temperature=1.0"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+    assert "(sampling.max_new_tokens: 2 then, 3 now)" in errors[0]  # the one difference, before the model loads
+    # where it runs may change (a requeued job), and so may the settings once their record is deleted
+    moved = _llm(tiny_llama_dir, tmp_path, "sampling.max_new_tokens=2", "scheduler.max_running_requests=1")
+    assert run_job(moved, to_yaml(moved.cfg))["already_done"] == 2
+    (tmp_path / "out.config.yaml").unlink()
+    assert run_job(changed, to_yaml(changed.cfg))["already_done"] == 3
+    assert "max_new_tokens: 3" in (tmp_path / "out.config.yaml").read_text()
 
 
 def test_input_and_output_must_differ(tiny_llama_dir, tmp_path):

@@ -159,6 +159,17 @@ def test_kept_columns_and_row_numbers_as_ids(llm, reference, tmp_path):
     assert _texts(out) == {i: reference[qid] for i, qid in enumerate(IDS)}
 
 
+def test_a_parquet_output_refuses_a_job_with_other_columns_before_serving(llm, tmp_path):
+    pq.write_table(_table(), tmp_path / "in.parquet")
+    out = tmp_path / "out.parquet"
+    _job(llm, tmp_path / "in.parquet", out, id="qid", prompt="question", keep=["source"])
+    before = out.read_bytes()
+    with pytest.raises(ValueError, match=r"has columns \[.*'source'\]; this job writes \[.*'prompt_logprobs', "
+                                         r"'score'\] \(kept columns come from job.columns.keep\)"):
+        _job(llm, tmp_path / "in.parquet", out, id="qid", prompt="question", keep=["score"])
+    assert out.read_bytes() == before and not part_files(out)
+
+
 def test_parquet_output_resumes_and_holds_logprobs_and_samples(llm, reference, tmp_path):
     rows = tmp_path / "rows.jsonl"
     lines = [json.dumps({"id": i, "prompt": q}) for i, q in zip(IDS, QUESTIONS)]

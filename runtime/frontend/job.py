@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from parallel.state import get_tp
+from runtime.config import ConfigError
 from runtime.frontend import openai_api
 from runtime.frontend.job_files import (
     JobPaths,
@@ -62,7 +63,10 @@ def run_job(llm: Any, config_yaml: str, output_locked: bool = False) -> dict[str
         if replicas.first:
             if job.lock and not output_locked:
                 held.enter_context(output_lock(paths.output, job.lock_wait_s))
+            paths.check_same_rows(config_yaml)
             recover(paths, out_format, job.row_group_rows, job.lock_wait_s if job.lock else None)
+            if out_format == "parquet":
+                check_parquet_columns(paths.output, source)
             for stale in part_files(paths.errors):
                 stale.unlink()
             paths.config.parent.mkdir(parents=True, exist_ok=True)
@@ -96,6 +100,17 @@ def run_job(llm: Any, config_yaml: str, output_locked: bool = False) -> dict[str
             paths.metrics.parent.mkdir(parents=True, exist_ok=True)
             paths.metrics.write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
+
+
+def check_parquet_columns(output: Path, source: JobInput) -> None:
+    """A Parquet output's rows share one set of columns: a job that would write others stops before serving."""
+    from runtime.frontend import parquet_output
+
+    existing = parquet_output.existing_schema(output)
+    wanted = parquet_output.result_schema("int", source.kept).names
+    if existing is not None and existing.names != wanted:
+        raise ConfigError(f"job.output={output} has columns {existing.names}; this job writes {wanted} (kept "
+                          "columns come from job.columns.keep): use another job.output, or keep the same columns")
 
 
 def output_lock(output: Path, wait_s: float) -> OutputLock:

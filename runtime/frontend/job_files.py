@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.config import ConfigError
+import yaml
+
+from runtime.config import ConfigError, flatten
 from runtime.frontend import openai_api
 from runtime.sampling_params import SamplingParams
 
@@ -70,6 +72,19 @@ class JobPaths:
             if other != key:
                 raise ConfigError(f"config keys '{other}' and '{key}' name the same file ({path})")
 
+    def check_same_rows(self, config_yaml: str) -> None:
+        """A rerun adds rows to an output only under the settings its rows were made with (the config copy
+        beside it says which): otherwise two jobs' rows would pass for one."""
+        if not self.config.is_file() or not (self.output.exists() or part_files(self.output)):
+            return
+        before, now = _row_settings(self.config.read_text()), _row_settings(config_yaml)
+        changed = sorted(k for k in before.keys() & now.keys() if before[k] != now[k])  # keys of both versions
+        if changed:
+            shown = "; ".join(f"{k}: {before[k]!r} then, {now[k]!r} now" for k in changed[:4])
+            raise ConfigError(f"job.output={self.output} holds rows made with other settings ({shown}"
+                              f"{'; ...' if len(changed) > 4 else ''}): use another job.output, or delete "
+                              f"{self.config} to add this config's rows to it")
+
     def check_writable(self) -> None:
         """The output files can be made: checked before the model loads, so a typo costs seconds, not a load."""
         for key, path in (("job.output", self.output), ("job.errors", self.errors), ("job.metrics", self.metrics)):
@@ -83,6 +98,28 @@ class JobPaths:
                                   f"{exc.filename or folder})") from None
             if not os.access(folder, os.W_OK | os.X_OK):
                 raise ConfigError(f"config key '{key}'={path}: its folder {folder} is not writable")
+
+
+# What a row's result depends on. Where the job runs (devices, parallelism, batch sizes) may change between
+# runs of one job, as when a preempted job is requeued elsewhere.
+ROW_SETTINGS = ("model.", "sampling.", "cache.dtype", "engine.seed", "engine.deterministic", "job.input",
+                "job.format", "job.columns.", "job.chat_template")
+_PATH_SETTINGS = ("model.path", "job.input")
+
+
+def _row_settings(config_yaml: str) -> dict[str, Any]:
+    try:
+        node = yaml.safe_load(config_yaml)
+    except yaml.YAMLError:
+        return {}
+    if not isinstance(node, dict):
+        return {}
+    settings = {k: v for k, v in flatten(node).items()
+                if any(k == s or (s.endswith(".") and k.startswith(s)) for s in ROW_SETTINGS)}
+    for key in _PATH_SETTINGS:
+        if isinstance(settings.get(key), str) and settings[key] != "default":
+            settings[key] = str(Path(settings[key]).resolve())
+    return settings
 
 
 def _beside(out: Path, suffix: str) -> Path:

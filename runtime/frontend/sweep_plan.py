@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
-from runtime.config import ConfigError, RuntimeConfig, load_config
+from runtime.config import ConfigError, RuntimeConfig, flatten, load_config
 from runtime.frontend.job_files import JobPaths
 
 DEFAULT_BASE = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
@@ -376,12 +376,3 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(node, dict):
-        return {prefix.rstrip("."): node}
-    flat: dict[str, Any] = {}
-    for key, value in node.items():
-        flat.update(flatten(value, f"{prefix}{key}."))
-    return flat
