@@ -187,3 +187,32 @@ def test_a_shut_down_llm_is_freed_once_dropped(default_model_dir):
     gc.collect()
     assert engine() is None and weights() is None
     second.shutdown()
+
+
+class _Interrupted(BaseException):
+    """Stands for Ctrl-C (a KeyboardInterrupt here would stop pytest itself)."""
+
+
+@pytest.mark.parametrize("where", ["on_result", "on_batch"])
+def test_a_run_that_raises_leaves_nothing_behind_for_the_next(tiny_llama_dir, where):
+    """An on_result that raises (a full disk) or an interrupt at the first batch: the next run on the same LLM
+    serves only its own requests, each once, with the tokens it gives alone."""
+    llm = LLM(str(tiny_llama_dir), overrides=["engine.device=cpu", "model.dtype=float32", "model.max_seq_len=64",
+                                             "scheduler.max_running_requests=1", "cache.debug_checks=true"])
+    greedy = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    first, second = [[10, 11, 12, 13, 14], [20, 21, 22]], [[30, 31, 32, 33], [40, 41]]
+    expected = [o.token_ids for o in llm.generate(second, greedy)]
+    rows = len(llm.scheduler.free_rows)
+
+    def fail(*args: object) -> None:
+        raise (OSError("disk full") if where == "on_result" else _Interrupted())
+
+    with pytest.raises((OSError, _Interrupted)):
+        llm.run([(f"a{i}", p, greedy) for i, p in enumerate(first)], **{where: fail})
+    assert llm.scheduler.idle and len(llm.scheduler.free_rows) == rows
+    llm.scheduler.check_integrity()
+    delivered: dict[str, list[list[int]]] = {}
+    out = llm.run([(f"b{i}", p, greedy) for i, p in enumerate(second)],
+                  on_result=lambda key, o: delivered.setdefault(key, []).append(o.token_ids))
+    assert [o.token_ids for o in out] == expected and delivered == {"b0": [expected[0]], "b1": [expected[1]]}
+    llm.shutdown()

@@ -188,7 +188,6 @@ class LLM:
                     results.fail(position, str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}")
 
         source = items if callable(items) else None
-        submit([] if source is not None else items)
 
         def refill() -> bool:
             nonlocal source
@@ -205,7 +204,14 @@ class LLM:
 
         stats = self.scheduler.stats
         start, prefilled, cached = time.perf_counter(), stats.prefill_tokens, stats.cached_tokens
-        self.interrupted = not self.step_loop(results.finished, refill, on_batch)
+        try:
+            submit([] if source is not None else items)
+            self.interrupted = not self.step_loop(results.finished, refill, on_batch)
+        except BaseException:
+            # Ctrl-C, or an on_result that raised: nothing this run admitted may outlive it, or the next run
+            # would finish its half-served requests under its own keys (or stall on them).
+            self.scheduler.abort_all()
+            raise
         elapsed = time.perf_counter() - start
         done = results.in_order()
         generated = sum(o.total_completion_tokens for o in done)
