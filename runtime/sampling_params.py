@@ -8,11 +8,14 @@ from typing import Any
 
 MAX_LOGPROBS = 20
 MAX_N = 128
+# Below this a temperature samples the argmax (as vLLM treats it): 1/t would overflow float32 near 3e-39, and
+# logits scaled by 1e5 already leave no other token a chance.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE) means greedy
     top_k: int = -1  # -1 (or 0) keeps the whole vocabulary
     top_p: float = 1.0
     max_new_tokens: int = 256
@@ -25,16 +28,18 @@ class SamplingParams:
     n: int = 1  # independent samples of the prompt (they share its prefill through the prefix cache)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
         self.validate()
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def validate(self) -> None:
-        """Strict types: JSON ``"false"`` is not a bool, ``true`` is not a number, ``null`` is not a list."""
+        """Strict types: JSON ``"false"`` is not a bool, ``true`` is not a number, ``null`` is not a list. Run
+        again for every request, so fields changed after construction are checked too; a string ``stop`` becomes
+        a list of one."""
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
 
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"sampling parameter {name}={getattr(self, name)!r} {why}")

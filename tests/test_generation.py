@@ -216,3 +216,30 @@ def test_a_run_that_raises_leaves_nothing_behind_for_the_next(tiny_llama_dir, wh
                   on_result=lambda key, o: delivered.setdefault(key, []).append(o.token_ids))
     assert [o.token_ids for o in out] == expected and delivered == {"b0": [expected[0]], "b1": [expected[1]]}
     llm.shutdown()
+
+
+def test_a_temperature_too_small_for_float32_samples_the_argmax(tiny_llama_dir):
+    """1/t overflows float32 below ~3e-39 (the sampler then read inf and NaN): such a temperature is greedy."""
+    llm = LLM(str(tiny_llama_dir), overrides=["engine.device=cpu", "model.dtype=float32", "model.max_seq_len=64"])
+    prompts = [[10, 11, 12], [20, 21, 22, 23]]
+    greedy = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_new_tokens=6,
+                                                                        ignore_eos=True))]
+    for t in (1e-40, 1e-30, 1e-6):
+        tiny = SamplingParams(temperature=t, top_p=0.9, max_new_tokens=6, ignore_eos=True)
+        assert tiny.is_greedy and [o.token_ids for o in llm.generate(prompts, tiny)] == greedy, t
+    assert not SamplingParams(temperature=1e-4).is_greedy
+    llm.shutdown()
+
+
+def test_parameters_changed_after_construction_are_checked_per_request(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), overrides=["engine.device=cpu", "model.dtype=float32", "model.max_seq_len=64"])
+    for field, value in (("temperature", float("nan")), ("max_new_tokens", -5), ("top_p", 0.0)):
+        params = SamplingParams(max_new_tokens=4)
+        setattr(params, field, value)
+        (out,) = llm.generate([[10, 11, 12]], params)
+        assert out.error is not None and f"sampling parameter {field}=" in out.error, (field, out.error)
+    params = SamplingParams(max_new_tokens=4)
+    params.stop = "xyz"  # one stop string, not three characters
+    llm.generate([[10, 11, 12]], params)
+    assert params.stop == ["xyz"]
+    llm.shutdown()

@@ -108,6 +108,7 @@ class LLM:
 
     def make_request(self, prompt: Prompt, params: SamplingParams, key: object = None) -> Req:
         """A request for ``prompt``; ``key`` names the row, so unseeded noise is the same at any batch or DP size."""
+        params.validate()
         ids = self.encode(prompt)
         if not ids:  # no position to sample from
             raise ValueError("prompt encodes to zero tokens")
