@@ -16,6 +16,16 @@ FAMILIES: dict[str, dict[str, bool]] = {
     "MixtralForCausalLM": {"moe": True},
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+# transformers' values for keys a config.json may leave out, where a family's differ from Llama's.
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"max_position_embeddings": 2048},
+    "MistralForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096},
+    "MixtralForCausalLM": {"max_position_embeddings": 131072, "rope_theta": 1e6, "rms_norm_eps": 1e-5},
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "use_sliding_window": False},
+    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "use_sliding_window": False},
+    "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768, "use_sliding_window": False},
+}
+_LLAMA_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "use_sliding_window": True, "sliding_window": None}
 # Older config.json files name only the model_type; anything unknown must not load as Llama.
 _ARCH_OF_MODEL_TYPE = {"llama": ["LlamaForCausalLM"], "mistral": ["MistralForCausalLM"],
                        "qwen2": ["Qwen2ForCausalLM"], "qwen3": ["Qwen3ForCausalLM"],
@@ -93,16 +103,27 @@ class ModelConfig:
         if arch is None:
             raise ValueError(f"model architecture {archs} is not supported; expected one of {SUPPORTED_ARCHITECTURES}")
         checkpoint_fp8 = fp8_checkpoint(cfg.get("quantization_config"), source)
-        window = cfg.get("sliding_window")
-        if window not in (None, 0) and cfg.get("use_sliding_window", True) and \
-                window < int(cfg.get("max_position_embeddings", 4096)):
+        defaults = {**_LLAMA_DEFAULTS, **_FAMILY_DEFAULTS[arch]}
+
+        def get(key: str) -> Any:
+            return cfg.get(key, defaults[key])
+
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):  # transformers' two names for x * sigmoid(x)
+            raise ValueError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
+        max_positions = int(get("max_position_embeddings"))
+        window = get("sliding_window")
+        # Qwen's windows apply from layer max_window_layers on; none past the last layer is none at all.
+        sliding = get("use_sliding_window") and int(cfg.get("max_window_layers", 0)) < int(cfg["num_hidden_layers"])
+        if window not in (None, 0) and sliding and window < max_positions:
             # A window no shorter than the context changes nothing; a real one needs masking we lack.
-            raise ValueError(f"sliding_window={window} is not supported (dense attention only)")
+            said = "" if "sliding_window" in cfg else f" (transformers' default for {arch})"
+            raise ValueError(f"sliding_window={window}{said} is not supported (dense attention only)")
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         # transformers 5 folds rope_theta/rope_scaling into rope_parameters; older files have both at top level.
         rope_params = cfg.get("rope_parameters") or {}
-        rope_theta = float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
+        rope_theta = float(cfg.get("rope_theta", rope_params.get("rope_theta", defaults["rope_theta"])))
         scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
@@ -121,10 +142,10 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(get("rms_norm_eps")),
             rope_theta=rope_theta,
             rope_scaling=dict(scaling) if scaling else None,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),

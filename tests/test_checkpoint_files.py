@@ -44,3 +44,28 @@ def test_a_cut_shard_fails_with_one_error_naming_it(checkpoint: Path, keep: floa
     assert f"checkpoint file {shard} is damaged or incomplete" in message, message
     assert "\n" not in message
     assert err.value.__cause__ is None and err.value.__suppress_context__  # no safetensors traceback under it
+
+
+def test_an_index_names_the_files_of_the_checkpoint(checkpoint: Path) -> None:
+    """Shards and their index, beside a checkpoint of the same weights in other names (as Mistral's repositories
+    ship consolidated.safetensors): only the indexed files load, into the same weights."""
+    from safetensors.torch import load_file, save_file
+
+    from models.weights.loader import checkpoint_files
+
+    (single,) = checkpoint.glob("*.safetensors")
+    tensors = load_file(single)
+    single.unlink()
+    names = sorted(tensors)
+    shards = {f"model-0000{i + 1}-of-00002.safetensors": names[i::2] for i in range(2)}
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(checkpoint / file))
+    weight_map = {k: file for file, keys in shards.items() for k in keys}
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    save_file({f"native.{k}": v for k, v in tensors.items()}, str(checkpoint / "consolidated.safetensors"))
+    assert [f.name for f in checkpoint_files(checkpoint)] == sorted(shards)
+    model = load_model(checkpoint, ModelConfig.from_dir(checkpoint), torch.device("cpu"), torch.float32, 64)
+    assert torch.equal(model.lm_head.weight, tensors["lm_head.weight"])
+    (checkpoint / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"names \['model-00002-of-00002.safetensors'\], missing from"):
+        _load(checkpoint)

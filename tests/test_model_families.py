@@ -128,6 +128,34 @@ def test_family_config_rules():
     assert (qwen2.architecture, qwen2.qkv_bias, qwen2.qk_norm) == ("Qwen2ForCausalLM", True, False)
     big_window = ModelConfig.from_dict({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 4096})
     assert big_window.architecture == "MistralForCausalLM"  # no shorter than the context: plain attention
+    no_layer_slides = {**base, "model_type": "qwen2", "sliding_window": 512, "use_sliding_window": True,
+                       "max_window_layers": 1}
+    assert ModelConfig.from_dict(no_layer_slides).qkv_bias
+    with pytest.raises(ValueError, match="sliding_window=512 is not"):
+        ModelConfig.from_dict({**no_layer_slides, "max_window_layers": 0})
+    with pytest.raises(ValueError, match="hidden_act='gelu' is not supported"):
+        ModelConfig.from_dict({**base, "architectures": ["LlamaForCausalLM"], "hidden_act": "gelu"})
+
+
+def test_keys_a_config_leaves_out_take_transformers_defaults_for_its_family():
+    from transformers import AutoConfig
+
+    from models.config import ModelConfig
+
+    bare = {k: v for k, v in COMMON.items() if k not in ("max_position_embeddings", "rms_norm_eps", "rope_theta")}
+    for arch, model_type in (("LlamaForCausalLM", "llama"), ("MixtralForCausalLM", "mixtral"),
+                             ("Qwen2ForCausalLM", "qwen2"), ("Qwen3ForCausalLM", "qwen3"),
+                             ("MistralForCausalLM", "mistral")):
+        extra = {"num_local_experts": 4, "num_experts_per_tok": 2} if arch == "MixtralForCausalLM" else {}
+        extra |= {"sliding_window": None} if arch == "MistralForCausalLM" else {}
+        cfg = {**bare, "num_hidden_layers": 2, "architectures": [arch], "model_type": model_type, **extra}
+        ours = ModelConfig.from_dict(cfg)
+        theirs = AutoConfig.for_model(**cfg)
+        theta = getattr(theirs, "rope_theta", None) or theirs.rope_parameters["rope_theta"]
+        assert (ours.rope_theta, ours.rms_norm_eps, ours.max_position_embeddings) == (
+            theta, theirs.rms_norm_eps, theirs.max_position_embeddings), arch
+    with pytest.raises(ValueError, match=r"sliding_window=4096 \(transformers' default for MistralForCausalLM\)"):
+        ModelConfig.from_dict({**bare, "num_hidden_layers": 2, "architectures": ["MistralForCausalLM"]})
 
 
 @pytest.mark.parametrize("name,arch,flags,params_b", [

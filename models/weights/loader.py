@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import re
 import zlib
@@ -81,7 +82,22 @@ def open_checkpoint(file: Path) -> Iterator[Any]:
         yield f
 
 
+INDEX = "model.safetensors.index.json"
+
+
 def checkpoint_files(path: Path) -> list[Path]:
+    """The files the index names (other safetensors beside them, such as Mistral's consolidated.safetensors in
+    its own names, are not this checkpoint), or every *.safetensors without an index."""
+    index = path / INDEX
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{index} is not a safetensors index with a weight_map ({exc!r})") from None
+        missing = [name for name in names if not (path / name).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names {missing}, missing from {path}: download them, or remove the index")
+        return [path / name for name in names]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in model directory {path}")
