@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import resource
+import signal
 import sys
 import time
 from collections.abc import MutableMapping
@@ -232,8 +233,11 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0 or not isinstance(exc, ValueError):
             print(f"error on rank {rank}: {exc}", file=sys.stderr, flush=True)
         elif read_torchrun_env().world_size > 1:
-            # Leave rank 0 time to say it: torchrun ends every rank once the first one exits.
+            # Leave rank 0 time to say it: torchrun ends every rank (SIGTERM, fatal here now) once the first one
+            # exits. Still alive after that, this rank failed alone (its copy of the model, say): it says why.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(CONFIG_ERROR_GRACE_S)
+            print(f"error on rank {rank}: {exc}", file=sys.stderr, flush=True)
         if read_torchrun_env().world_size > 1:
             # Peers may be stuck in a collective, so a graceful teardown could hang; finished rows are on disk.
             exit_now(1)

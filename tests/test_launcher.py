@@ -35,6 +35,11 @@ def test_exit_code_of_failed_ranks(rank_codes, expected):
     assert exit_code_of(rank_codes) == expected
 
 
+def test_the_first_failure_gives_the_code_not_the_ranks_ended_after_it():
+    assert exit_code_of({0: -9, 1: 1}, first_failed=1) == 1  # rank 0 was killed because rank 1 failed
+    assert exit_code_of({0: 143, 1: 2}, first_failed=0) == 2  # a drain is never the failure
+
+
 def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
@@ -58,14 +63,16 @@ def _launch(model: Path, rows: Path, out: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_sigterm_to_the_launcher_drains_and_exits_143_without_traceback(job, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])
+def test_a_signal_to_the_launcher_drains_and_exits_143_without_traceback(job, tmp_path, sig):
+    """SIGTERM and Slurm's SIGUSR1 from a scheduler, SIGINT from Ctrl-C: the same drain and the same code."""
     model, rows = job
     out = tmp_path / "out.jsonl"
     cmd = _launch(model, rows, out, "parallel.tp_size=2", "job.drain_timeout_s=5")
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_rows(proc, out, 3)
-        proc.send_signal(signal.SIGTERM)  # the launcher only, as a scheduler would
+        proc.send_signal(sig)  # the launcher only, as a scheduler would
         sent = time.time()
         _, err = proc.communicate(timeout=120)
         elapsed = time.time() - sent
@@ -73,7 +80,7 @@ def test_sigterm_to_the_launcher_drains_and_exits_143_without_traceback(job, tmp
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == EXIT_DRAINED and elapsed < 60, (proc.returncode, elapsed, err[-3000:])
-    assert "Traceback" not in err and "launcher: stopped by SIGTERM" in err, err[-3000:]
+    assert "Traceback" not in err and "launcher: stopped by SIG" in err, err[-3000:]
     first = [json.loads(line) for line in out.read_text().splitlines()]
     assert 3 <= len(first) < ROWS
     rerun = subprocess.run(_launch(model, rows, out, "parallel.tp_size=2"), cwd=REPO, env=_env(),
@@ -93,6 +100,27 @@ def test_a_failing_rank_gives_its_one_line_and_code_without_traceback():
     assert log.count("error on rank") == 1 and "num_attention_heads=9 is not divisible" in log, log[-3000:]
     assert "parallel.tp_size=1" in log  # the way out is named
     assert "Traceback" not in log and "launcher: ranks failed" in log, log[-3000:]
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_alone_says_why(tmp_path):
+    """A ValueError on rank 1 only (its copy of the model, say): rank 0 does not say it for it, so rank 1 must."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    from models.config import ModelConfig\n"
+        "    def broken(cls, path):\n"
+        "        raise ValueError('rank 1 cannot read its copy of the model')\n"
+        "    ModelConfig.from_dir = classmethod(broken)\n")
+    start = time.time()
+    proc = subprocess.run([sys.executable, "launch.py", "--nproc-per-node", "2", "engine.device=cpu",
+                           "parallel.tp_size=1"], cwd=REPO, env={**_env(), "PYTHONPATH": f"{hook}:{REPO}"},
+                          capture_output=True, text=True, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "error on rank 1: rank 1 cannot read its copy of the model" in log, log[-3000:]
+    assert time.time() - start < 120, log[-3000:]
 
 
 @pytest.mark.slow

@@ -74,7 +74,7 @@ class JobPaths:
 
     def check_same_rows(self, config_yaml: str) -> None:
         """A rerun adds rows to an output only under the settings its rows were made with (the config copy
-        beside it says which): otherwise two jobs' rows would pass for one."""
+        beside it says which): otherwise rows of two settings would pass for one job's."""
         if not self.config.is_file() or not (self.output.exists() or part_files(self.output)):
             return
         before, now = _row_settings(self.config.read_text()), _row_settings(config_yaml)
@@ -100,11 +100,12 @@ class JobPaths:
                 raise ConfigError(f"config key '{key}'={path}: its folder {folder} is not writable")
 
 
-# What a row's result depends on. Where the job runs (devices, parallelism, batch sizes) may change between
-# runs of one job, as when a preempted job is requeued elsewhere.
-ROW_SETTINGS = ("model.", "sampling.", "cache.dtype", "engine.seed", "engine.deterministic", "job.input",
-                "job.format", "job.columns.", "job.chat_template")
-_PATH_SETTINGS = ("model.path", "job.input")
+# What a row's result depends on besides the row. Where the job runs (devices, parallelism, batch sizes) may
+# change between runs of one job, as when a preempted job is requeued elsewhere, and so may the input file
+# (a sample of the rows first, then all of them: ids name the rows).
+ROW_SETTINGS = ("model.", "sampling.", "cache.dtype", "engine.seed", "engine.deterministic", "job.columns.",
+                "job.chat_template")
+_PATH_SETTINGS = ("model.path",)
 
 
 def _row_settings(config_yaml: str) -> dict[str, Any]:
