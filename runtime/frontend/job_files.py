@@ -105,7 +105,6 @@ class JobPaths:
 # (a sample of the rows first, then all of them: ids name the rows).
 ROW_SETTINGS = ("model.", "sampling.", "cache.dtype", "engine.seed", "engine.deterministic", "job.columns.",
                 "job.chat_template")
-_PATH_SETTINGS = ("model.path",)
 
 
 def _row_settings(config_yaml: str) -> dict[str, Any]:
@@ -117,9 +116,9 @@ def _row_settings(config_yaml: str) -> dict[str, Any]:
         return {}
     settings = {k: v for k, v in flatten(node).items()
                 if any(k == s or (s.endswith(".") and k.startswith(s)) for s in ROW_SETTINGS)}
-    for key in _PATH_SETTINGS:
-        if isinstance(settings.get(key), str) and settings[key] != "default":
-            settings[key] = str(Path(settings[key]).resolve())
+    path = settings.get("model.path")
+    if isinstance(path, str) and path != "default":  # one folder however it is spelled
+        settings["model.path"] = str(Path(path).resolve())
     return settings
 
 

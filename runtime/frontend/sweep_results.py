@@ -142,8 +142,8 @@ def _served(path: Path) -> tuple[int, int]:
             count = int(counts.get("completion_tokens", 0))
         except (ValueError, TypeError, KeyError, AttributeError):
             continue  # not a result line
-        if key is not None and json.dumps(key) not in keys:
-            keys.add(json.dumps(key))
+        if key is not None and (seen := json.dumps(key)) not in keys:
+            keys.add(seen)
             tokens += count
     return len(keys), tokens
 

@@ -71,11 +71,8 @@ class Scheduler:
             )
 
     def add(self, req: Req) -> None:
-        """Queue a request; raises ValueError (for that request only) if it can never be served. One already
-        finished (aborted before it was queued) is not queued: nothing would release a row or pages it took."""
+        """Queue a request; raises ValueError (for that request only) if it can never be served."""
         self.check(req)
-        if req.finish_reason is not None:
-            return
         if req.leader is not None and not self._leader_known(req.leader):
             req.leader = None  # sample 0 failed: compute the prompt itself
         self.waiting.append(req)
