@@ -337,6 +337,31 @@ def test_gpu_sampling_kernel_equals_the_torch_reference_and_ignores_the_batch():
     assert torch.equal(gumbel.sample(logits, temps, thresholds, top_p, seeds, positions), tokens)
 
 
+def test_gpu_top_p_walk_ends_on_rows_of_nan_or_infinite_logits():
+    """Compiled, the top-p walk over rows of NaN, one NaN, one +inf and all -inf logits ends with tokens inside the
+    vocabulary (it once spun forever on a NaN row, holding the GPU)."""
+    import threading
+
+    from runtime.engine import gumbel
+
+    rows, vocab = 4, 128256
+    logits = torch.randn(rows, vocab, device="cuda").bfloat16()
+    logits[0] = float("nan")
+    logits[1, 7] = float("nan")
+    logits[2, 11] = float("inf")
+    logits[3] = float("-inf")
+    ones = torch.ones(rows, device="cuda")
+    steps = torch.arange(rows, device="cuda")
+    result: list[list[int]] = []
+    worker = threading.Thread(target=lambda: result.append(gumbel.sample(
+        logits, ones, torch.full((rows,), float("-inf"), device="cuda"), ones * 0.9, steps, steps).tolist()),
+        daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert result, "the top-p walk did not end"
+    assert all(0 <= t < vocab for t in result[0]) and result[0][2] == 11 and result[0][1] != 7
+
+
 @pytest.mark.parametrize("temperature", [0.6, 1.0, 2.0])
 def test_gpu_temperature_sampling_matches_softmax_of_bf16_logits(temperature):
     """The temperature-only path (the Gumbel-max kernel over bf16 logits) draws from softmax(logits / T):

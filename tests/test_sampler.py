@@ -457,3 +457,37 @@ def test_triton_kernels_draw_what_the_torch_reference_draws(monkeypatch):
     tokens = gumbel.sample(x, temps, top_k_thresholds(x, top_k, max_k), top_p, seeds, positions)
     assert tokens.tolist() == reference.tolist()
     assert len(set(tokens.tolist())) > 8  # really different draws, not one token
+
+
+def test_triton_top_p_walk_ends_on_rows_of_nan_or_infinite_logits(monkeypatch):
+    """A row of NaN logits (an overflowing model) once kept the top-p walk looping forever, hanging the server.
+    Every row must come back with a token inside the vocabulary; NaN logits are never drawn."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import threading
+
+    from runtime.engine import gumbel
+
+    gen = torch.Generator().manual_seed(1)
+    rows, vocab = 4, 5000
+    x = torch.randn(rows, vocab, generator=gen)
+    x[0] = float("nan")
+    x[1, 7] = float("nan")
+    x[2, 11] = float("inf")
+    x[3] = float("-inf")
+    temps = torch.ones(rows)
+    top_p = torch.full((rows,), 0.9)
+    seeds, positions = torch.arange(rows, dtype=torch.int64), torch.arange(rows, dtype=torch.int64)
+    no_top_k = torch.full((rows,), float("-inf"))
+    result: list[torch.Tensor] = []
+    worker = threading.Thread(
+        target=lambda: result.append(gumbel.sample(x, temps, no_top_k, top_p, seeds, positions)), daemon=True)
+    worker.start()
+    worker.join(timeout=120)
+    assert result, "the top-p walk did not end"
+    tokens = result[0].tolist()
+    assert all(0 <= t < vocab for t in tokens)
+    assert tokens[2] == 11  # the infinite logit holds all the mass
+    finite = x[1:2].nan_to_num(nan=float("-inf"))
+    reference = sample_torch(finite, SamplingArgs(temps[1:2], top_p[1:2], None, 0, seeds[1:2], positions[1:2]))
+    assert tokens[1] == reference.item() != 7

@@ -82,6 +82,7 @@ if triton is not None:
         best = tl.load(best_ptr + part, mask=ok, other=float("-inf"))
         top = tl.max(best, axis=0)
         cand = tl.min(tl.where(ok & (best == top), tl.load(idx_ptr + part, mask=ok, other=vocab), vocab), axis=0)
+        cand = tl.where(cand < vocab, cand, 0)  # a row of NaN logits scores nothing: token 0, as argmax would
         t = tl.load(temp_ptr + row)
         top_p = tl.load(top_p_ptr + row)
         if (t > 0.0) & (top_p < 1.0):
@@ -109,7 +110,8 @@ if triton is not None:
                     block_idx = tl.min(tl.where(score == block_best, cols, vocab), axis=0)
                     next_idx = tl.where(block_best > next_best, block_idx, next_idx)  # earlier blocks win ties
                     next_best = tl.maximum(next_best, block_best)
-                if above < limit:
+                # Nothing above the floor ends the walk too: NaN logits make limit 0 and above never below it.
+                if (above < limit) | (next_idx >= vocab):
                     searching = False
                 else:
                     cand = next_idx
