@@ -14,16 +14,17 @@ try:
 except ImportError:  # CPU-only installs never build the fused path
     triton = None
 
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once: the kernels take it as a constant
+
 if triton is not None:
 
     @triton.jit
     def _row_gemv(
         x_ptr, w_ptr, scale_ptr, bias_ptr, norm_ptr, out_ptr, eps, N: tl.constexpr, K: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr, ADD: tl.constexpr,
-        HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, PDL: tl.constexpr,
+        HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
     ):
-        """``out[n] (+)= act(sum_k W[n, k] * x'[k] + b[n])``; with SILU the weight is gate rows, then up rows.
-        FP8 weights (HAS_SCALE) are scaled per row after the sum; x stays in the model dtype."""
+        """``out[n] (+)= act(sum_k W[n, k] * x'[k] + b[n])``; with SILU the weight is gate rows, then up rows."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
         kk = tl.arange(0, BLOCK_K)
@@ -58,16 +59,24 @@ if triton is not None:
             if SILU:
                 up = tl.load(w_rows + N * K + k[None, :], mask=w_ok, other=0.0, eviction_policy="evict_first")
                 acc_up += up.to(tl.float32) * x[None, :]
-        y = tl.sum(acc, axis=1)
+        _finish_rows(tl.sum(acc, axis=1), tl.sum(acc_up, axis=1), tl.sum(sq, axis=0), n, n_ok, scale_ptr, bias_ptr,
+                     out_ptr, eps, N, K, NORM, SILU, ADD, HAS_BIAS, False)
+
+    @triton.jit
+    def _finish_rows(
+        y, u, sum_sq, n, n_ok, scale_ptr, bias_ptr, out_ptr, eps, N: tl.constexpr, K: tl.constexpr,
+        NORM: tl.constexpr, SILU: tl.constexpr, ADD: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+    ):
+        """Row sums ``y`` (gate rows with SILU, ``u`` the up rows) to outputs: rstd, FP8 scales, bias, SiLU x up,
+        the residual add, the store."""
         if NORM:
-            rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+            rstd = tl.rsqrt(sum_sq / K + eps)
             y = y * rstd
         if HAS_SCALE:
             y *= tl.load(scale_ptr + n, mask=n_ok, other=0.0)
         if HAS_BIAS:
             y += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
         if SILU:
-            u = tl.sum(acc_up, axis=1)
             if NORM:
                 u = u * rstd
             if HAS_SCALE:
@@ -79,6 +88,111 @@ if triton is not None:
             y += tl.load(out_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
+    @triton.jit
+    def _pack_f16x2(lo, hi, INTERPRET: tl.constexpr):
+        """Two float32 as one int32 of f16 halves, ``lo`` in the low half (the lower address)."""
+        if INTERPRET:  # the interpreter runs no PTX: the same bits by integer ops
+            lo16 = lo.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+            hi16 = hi.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+            return (lo16 | (hi16 << 16)).to(tl.int32, bitcast=True)
+        return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+
+    @triton.jit
+    def _e4m3_byte(w, i: tl.constexpr):
+        return ((w >> (8 * i)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _f16_half(x, i: tl.constexpr):
+        return ((x >> (16 * i)) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _dot4_e4m3(w, x01, x23, INTERPRET: tl.constexpr):
+        """The four e4m3 weights of int32 ``w`` times x packed in f16 pairs: products in f16x2 (two summed per half),
+        the halves added in float32. One conversion and two half-precision ops per pair of weights, where
+        converting each weight to float32 costs two conversions and two FMAs."""
+        if INTERPRET:  # the same sums by integer ops, rounded to f16 where the PTX rounds (an FMA's once)
+            wu = w.to(tl.uint32, bitcast=True)
+            a = x01.to(tl.uint32, bitcast=True)
+            b = x23.to(tl.uint32, bitcast=True)
+            low = (_e4m3_byte(wu, 0) * _f16_half(a, 0)).to(tl.float16).to(tl.float32)
+            high = (_e4m3_byte(wu, 1) * _f16_half(a, 1)).to(tl.float16).to(tl.float32)
+            low = (_e4m3_byte(wu, 2) * _f16_half(b, 0) + low).to(tl.float16).to(tl.float32)
+            high = (_e4m3_byte(wu, 3) * _f16_half(b, 1) + high).to(tl.float16).to(tl.float32)
+            return low + high
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b16 w01, w23, s0, s1;
+            .reg .b32 h01, h23, p;
+            .reg .f32 f0, f1;
+            mov.b32 {w01, w23}, $1;
+            cvt.rn.f16x2.e4m3x2 h01, w01;
+            cvt.rn.f16x2.e4m3x2 h23, w23;
+            mul.rn.f16x2 p, h01, $2;
+            fma.rn.f16x2 p, h23, $3, p;
+            mov.b32 {s0, s1}, p;
+            cvt.f32.f16 f0, s0;
+            cvt.f32.f16 f1, s1;
+            add.f32 $0, f0, f1;
+            }""",
+            "=f,r,r,r", [w, x01, x23], dtype=tl.float32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _x_quads(x_ptr, norm_ptr, q, KQ: tl.constexpr, NORM: tl.constexpr, X_SCALE: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+        """x[4q .. 4q+3] (times the norm weight) scaled by X_SCALE and packed as two f16 pairs, and their squares."""
+        ok = q < KQ
+        x0 = tl.load(x_ptr + 4 * q, mask=ok, other=0.0).to(tl.float32)
+        x1 = tl.load(x_ptr + 4 * q + 1, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + 4 * q + 2, mask=ok, other=0.0).to(tl.float32)
+        x3 = tl.load(x_ptr + 4 * q + 3, mask=ok, other=0.0).to(tl.float32)
+        sq = x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3
+        if NORM:
+            x0 *= tl.load(norm_ptr + 4 * q, mask=ok, other=0.0).to(tl.float32)
+            x1 *= tl.load(norm_ptr + 4 * q + 1, mask=ok, other=0.0).to(tl.float32)
+            x2 *= tl.load(norm_ptr + 4 * q + 2, mask=ok, other=0.0).to(tl.float32)
+            x3 *= tl.load(norm_ptr + 4 * q + 3, mask=ok, other=0.0).to(tl.float32)
+        return (_pack_f16x2(x0 * X_SCALE, x1 * X_SCALE, INTERPRET), _pack_f16x2(x2 * X_SCALE, x3 * X_SCALE, INTERPRET),
+                sq)
+
+    @triton.jit
+    def _row_gemv_e4m3(
+        x_ptr, w_ptr, scale_ptr, bias_ptr, norm_ptr, out_ptr, eps, N: tl.constexpr, K: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr, ADD: tl.constexpr,
+        HAS_BIAS: tl.constexpr, PDL: tl.constexpr, X_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
+    ):
+        """``_row_gemv`` for e4m3 weights read as int32 (``w_ptr``: four weights each, K % 4 == 0)."""
+        KQ: tl.constexpr = K // 4
+        BQ: tl.constexpr = BLOCK_K // 4
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        q = tl.arange(0, BQ)
+        w_rows = w_ptr + n[:, None].to(tl.int64) * KQ
+        w_ok = n_ok[:, None] & (q < KQ)[None, :]
+        w = tl.load(w_rows + q[None, :], mask=w_ok, other=0, eviction_policy="evict_first")
+        if SILU:
+            up = tl.load(w_rows + N * KQ + q[None, :], mask=w_ok, other=0, eviction_policy="evict_first")
+        else:
+            up = w
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        x01, x23, sq = _x_quads(x_ptr, norm_ptr, q, KQ, NORM, X_SCALE, INTERPRET)
+        acc = _dot4_e4m3(w, x01[None, :], x23[None, :], INTERPRET)
+        acc_up = _dot4_e4m3(up, x01[None, :], x23[None, :], INTERPRET) if SILU else acc
+        for q0 in range(BQ, KQ, BQ):
+            qk = q0 + q
+            x01, x23, part = _x_quads(x_ptr, norm_ptr, qk, KQ, NORM, X_SCALE, INTERPRET)
+            sq += part
+            w_ok = n_ok[:, None] & (qk < KQ)[None, :]
+            w = tl.load(w_rows + qk[None, :], mask=w_ok, other=0, eviction_policy="evict_first")
+            acc += _dot4_e4m3(w, x01[None, :], x23[None, :], INTERPRET)
+            if SILU:
+                up = tl.load(w_rows + N * KQ + qk[None, :], mask=w_ok, other=0, eviction_policy="evict_first")
+                acc_up += _dot4_e4m3(up, x01[None, :], x23[None, :], INTERPRET)
+        _finish_rows(tl.sum(acc, axis=1) / X_SCALE, tl.sum(acc_up, axis=1) / X_SCALE, tl.sum(sq, axis=0), n, n_ok,
+                     scale_ptr, bias_ptr, out_ptr, eps, N, K, NORM, SILU, ADD, HAS_BIAS, True)
+
 
 def supported(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
@@ -87,9 +201,14 @@ def supported(device: torch.device) -> bool:
 @functools.cache
 def use_pdl(device_index: int) -> bool:
     """Programmatic dependent launch: Hopper and later, compiled (Triton's interpreter has none)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if INTERPRET:
         return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+# x enters f16 scaled by 2^-8: a half sums two products, finite while |x * norm weight| < 65504 * 256 / 448 / 2,
+# about 18,700 (a bf16 residual that large is already broken); values below ~2^-16 lose bits, not the sum.
+E4M3_X_SCALE = 1.0 / 256
 
 
 # Swept shapes whose best tile beats ``tile``'s rule in the engine (scripts/bench_gemv.py --sweep).
@@ -101,8 +220,8 @@ TUNED_TILES: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
 
 # The same for FP8 weights (scripts/bench_gemv.py --fp8 --sweep): a block of e4m3 holds half the bytes.
 TUNED_FP8_TILES: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
-    (6144, 4096, False): (8, 512, 2, 4), (4096, 4096, False): (8, 1024, 4, 6),  # qkv, o
-    (14336, 4096, True): (8, 256, 2, 2), (4096, 14336, False): (4, 1024, 2, 2),  # gate_up, down
+    (6144, 4096, False): (16, 1024, 8, 3), (4096, 4096, False): (8, 2048, 8, 3),  # qkv, o
+    (14336, 4096, True): (8, 512, 4, 3), (4096, 14336, False): (8, 2048, 8, 3),  # gate_up, down
 }
 
 
@@ -127,11 +246,20 @@ def _launch(
         raise ValueError(f"the fused GEMV takes one row, got {rows}")
     block_n, block_k, warps, stages = tile(n, k, silu, scale is not None)
     pdl = use_pdl(x.device.index or 0)
+    if scale is not None:
+        if k % 4:
+            raise ValueError(f"FP8 weights in the fused GEMV are read four to an int32: {k} input features")
+        _row_gemv_e4m3[(triton.cdiv(n, block_n),)](
+            x, weight.view(torch.int32), scale, bias if bias is not None else scale,
+            norm if norm is not None else scale, out, eps, N=n, K=k, BLOCK_N=block_n, BLOCK_K=block_k,
+            NORM=norm is not None, SILU=silu, ADD=add, HAS_BIAS=bias is not None, PDL=pdl, X_SCALE=E4M3_X_SCALE,
+            INTERPRET=INTERPRET, launch_pdl=pdl, num_warps=warps, num_stages=stages,
+        )
+        return
     _row_gemv[(triton.cdiv(n, block_n),)](
-        x, weight, scale if scale is not None else weight, bias if bias is not None else weight,
-        norm if norm is not None else weight, out, eps, N=n, K=k, BLOCK_N=block_n, BLOCK_K=block_k,
-        NORM=norm is not None, SILU=silu, ADD=add, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, PDL=pdl,
-        launch_pdl=pdl, num_warps=warps, num_stages=stages,
+        x, weight, weight, bias if bias is not None else weight, norm if norm is not None else weight, out, eps,
+        N=n, K=k, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm is not None, SILU=silu, ADD=add,
+        HAS_BIAS=bias is not None, PDL=pdl, launch_pdl=pdl, num_warps=warps, num_stages=stages,
     )
 
 

@@ -101,13 +101,18 @@ def test_fp8_gemm_scales_after_equals_the_row_wise_kernel(rows, monkeypatch):
     assert relative_error(ours, row_wise.double()) <= 4e-3  # bf16 rounding of either, accumulation order
 
 
-@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (14336, 4096), (4096, 14336), (3072, 2048)])
-def test_fp8_gemv_against_float64(n, k):
-    """The fused single-token layers with FP8 weights (x stays bf16): float64 on the dequantised weights."""
+@pytest.mark.parametrize(("n", "k", "outlier"), [(6144, 4096, 0), (4096, 4096, 0), (14336, 4096, 0), (4096, 14336, 0),
+                                                (3072, 2048, 0), (14336, 4096, 5000), (4096, 14336, 5000)])
+def test_fp8_gemv_against_float64(n, k, outlier):
+    """The fused single-token layers with FP8 weights (x x norm scaled into f16 pairs): float64 on the dequantised
+    weights; inputs with outliers of 5,000 (a residual stream's largest) do not overflow the f16 products."""
     from models import gemv
 
     gen = torch.Generator(device="cuda").manual_seed(n + k)
-    h = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
+    h = torch.randn(1, k, device="cuda", generator=gen)
+    if outlier:
+        h[0, ::97] = outlier
+    h = h.to(torch.bfloat16)
     norm_w = (torch.rand(k, device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
     values, scale = fp8.quantize_rows(torch.randn(2 * n, k, device="cuda", generator=gen) / k**0.5)
     w = fp8.dequantize_rows(values, scale).double()
