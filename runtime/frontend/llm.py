@@ -207,7 +207,10 @@ class LLM:
         start, prefilled, cached = time.perf_counter(), stats.prefill_tokens, stats.cached_tokens
         try:
             submit([] if source is not None else items)
-            self.interrupted = not self.step_loop(results.finished, refill, on_batch)
+            cut_short = not self.step_loop(results.finished, refill, on_batch)
+            # A drain that stopped the refills before the source ran dry leaves rows unread, even if every
+            # admitted request finished.
+            self.interrupted = cut_short or source is not None
         except BaseException:
             # Ctrl-C, or an on_result that raised: nothing this run admitted may outlive it, or the next run
             # would finish its half-served requests under its own keys (or stall on them).
