@@ -171,6 +171,33 @@ def test_a_sweep_killed_inside_run_3_resumes_it_and_runs_the_rest(model_dir, row
     assert len(results(tmp_path / "out")) == 8
 
 
+@pytest.mark.parametrize("signal_at_merge", [2, 4])
+def test_a_signal_after_a_runs_last_row_leaves_it_done(model_dir, rows, tmp_path, monkeypatch, signal_at_merge):
+    """SIGTERM while a finished run's output is merged (each run merges twice: recovering, then at its end):
+    that run is done. After run 1 the sweep stops before run 2 (143) and a rerun serves run 2 alone; after the
+    last run nothing is left, so the sweep exits 0 and no requeue follows."""
+    file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, grid={"sampling.temperature": [0.0, 0.5]})
+    merge, merges = job_module.merge_output, []
+
+    def merge_during_a_signal(*args: Any) -> None:
+        merges.append(args)
+        if len(merges) == signal_at_merge:
+            os.kill(os.getpid(), signal.SIGTERM)  # the sweep's drain handler takes it
+        merge(*args)
+
+    monkeypatch.setattr(job_module, "merge_output", merge_during_a_signal)
+    code = sweep.main(["--sweep-file", str(file)])
+    statuses = [(r.record() or {}).get("status") for r in plan_runs(load_sweep_file(file))]
+    if signal_at_merge == 4:
+        assert code == 0 and statuses == ["done", "done"]
+        return
+    assert code == 143 and statuses == ["done", None]
+    monkeypatch.undo()
+    assert sweep.main(["--sweep-file", str(file)]) == 0
+    assert (sweep.last_stats.skipped, sweep.last_stats.done) == (1, 1)
+    assert all(ids(r.paths.output) == list(range(ROWS)) for r in plan_runs(load_sweep_file(file)))
+
+
 def test_runs_that_differ_only_in_sampling_load_the_model_once_with_the_same_rows(model_dir, rows, tmp_path):
     grid = {"sampling.temperature": [0.9, 0.0], "sampling.top_p": [1.0, 0.8]}
     reused = write_sweep(tmp_path / "a" / "sweep.yaml", model_dir, rows, grid=grid)

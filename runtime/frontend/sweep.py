@@ -249,6 +249,7 @@ class _Sweeper:
         self.world_size = world_size
         self.tp_size: int | None = None
         self.jobs = 0  # the same count on every rank
+        self.last_run: Run | None = None  # a signal after its last row leaves nothing to resume
         self.prefix = f"tpinfer/sweep/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
     def run(self, only: int | None) -> int:
@@ -257,6 +258,7 @@ class _Sweeper:
         drain = Drain()
         self.join(self.runs[0].cfg)
         todo = self.agree_on_todo(only)
+        self.last_run = todo[-1] if todo else None
         stopped = False
         try:
             for g, group in enumerate(self.groups(todo)):
@@ -360,8 +362,9 @@ class _Sweeper:
                         llm.shutdown()
                         llm = None
                     continue
-                stopped = self.agree_to_stop(metrics["interrupted"] or drain.requested, run)
-                self.record(run, metrics, began, loaded, time.perf_counter() - started, stopped)
+                more = run is not self.last_run
+                stopped = self.agree_to_stop(metrics["interrupted"] or (drain.requested and more), run)
+                self.record(run, metrics, began, loaded, time.perf_counter() - started)
                 if stopped:
                     break
         finally:
@@ -383,7 +386,8 @@ class _Sweeper:
         replicas.number_next_job(self.jobs)
         return job.run_job(llm, to_yaml(run.cfg))
 
-    def record(self, run: Run, m: dict[str, Any], began: str, load_s: float, wall_s: float, stopped: bool) -> None:
+    def record(self, run: Run, m: dict[str, Any], began: str, load_s: float, wall_s: float) -> None:
+        stopped = m["interrupted"]  # rows left: a drain that came after the last one leaves the run done
         status = INTERRUPTED if stopped else DONE
         self.stats.interrupted += stopped
         self.stats.done += not stopped
