@@ -1,5 +1,5 @@
-"""A job's exit code after a signal (in-process, on a tiny model): 143 only while rows are left to serve, so
-Slurm requeues an unfinished job and never a finished one."""
+"""A job's exit code after a signal (in-process, on a tiny model): 143 ("requeue me") only while rows are left
+to serve or read; a complete output exits 0."""
 
 from __future__ import annotations
 
