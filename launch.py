@@ -120,7 +120,7 @@ def serve(cfg: RuntimeConfig, llm: LLM, drain: Drain, output_locked: bool = Fals
             replicas = f" over {m['dp_size']} replicas" if m["dp_size"] > 1 else ""
             print(f"{m['completed']} rows done, {m['errors']} errors, {m['already_done']} done before -> "
                   f"{cfg.job.output}; {m['output_tokens']} tokens at {m['output_tokens_per_s']:.1f} tokens/s{replicas}")
-        # A signal after the last row leaves a complete output: exit 0, or Slurm would requeue a finished job.
+        # A signal after the last row leaves a complete output: nothing to resume, so no 143 asking for a requeue.
         if m["interrupted"]:
             if get_tp().dp_rank == 0:  # every replica's leader exits 143; one says why
                 print(f"interrupted by signal: finished rows are on disk; rerun to complete (exit {EXIT_PREEMPTED})",

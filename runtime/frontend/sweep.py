@@ -387,15 +387,15 @@ class _Sweeper:
         return job.run_job(llm, to_yaml(run.cfg))
 
     def record(self, run: Run, m: dict[str, Any], began: str, load_s: float, wall_s: float) -> None:
-        stopped = m["interrupted"]  # rows left: a drain that came after the last one leaves the run done
-        status = INTERRUPTED if stopped else DONE
-        self.stats.interrupted += stopped
-        self.stats.done += not stopped
+        interrupted = m["interrupted"]  # rows left: a drain that came after the last one leaves the run done
+        status = INTERRUPTED if interrupted else DONE
+        self.stats.interrupted += interrupted
+        self.stats.done += not interrupted
         if not self.writer:
             return
         attempt = {"started": began, "wall_s": round(wall_s, 4), "load_s": round(load_s, 4),
                    "job_s": round(m["wall_s"], 4), "output_tokens": m["output_tokens"], "completed": m["completed"],
-                   "already_done": m["already_done"], "interrupted": stopped, "engine": "loaded" if load_s else "reused"}
+                   "already_done": m["already_done"], "interrupted": interrupted, "engine": "loaded" if load_s else "reused"}
         before = (run.record() or {}).get("attempts", [])
         write_record(run.dir, {**_record_head(run), "status": status, "error": "", "attempts": [*before, attempt]})
         engine = f"model loaded in {load_s:.1f} s" if load_s else "model reused"
