@@ -32,8 +32,10 @@ def run_until_idle(
     last: tuple[Batch, ForwardOutput] | None = None
 
     def handle(step: tuple[Batch, ForwardOutput]) -> None:
-        for req in outputs.process(*step):
+        finished = outputs.process(*step)
+        for req in finished:  # all released before any callback, which may raise
             scheduler.finish(req)
+        for req in finished:
             on_finish(req)
         if on_tokens is not None:
             on_tokens(step[0].reqs)

@@ -218,6 +218,29 @@ def test_a_run_that_raises_leaves_nothing_behind_for_the_next(tiny_llama_dir, wh
     llm.shutdown()
 
 
+def test_an_on_result_that_raises_releases_the_requests_finished_beside_it(tiny_llama_dir):
+    """Two requests finish in one step and the first one's on_result raises: the second, already marked
+    finished, gives back its row and pages too, so a request that needs the whole cache is still served."""
+    llm = LLM(str(tiny_llama_dir), overrides=["engine.device=cpu", "model.dtype=float32", "model.max_seq_len=64",
+                                             "scheduler.max_running_requests=4", "cache.page_size=4",
+                                             "cache.num_pages=5"])  # 4 usable pages: 16 tokens
+    rows, pages = len(llm.scheduler.free_rows), llm.scheduler.allocator.num_free
+    greedy = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+
+    def fail(*args: object) -> None:
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        llm.run([("a", [10, 11, 12], greedy), ("b", [20, 21, 22], greedy)], on_result=fail)
+    assert llm.scheduler.idle and len(llm.scheduler.free_rows) == rows
+    assert llm.scheduler.allocator.num_free + llm.scheduler.cache.evictable_pages == pages
+    llm.scheduler.check_integrity()
+    whole_cache = SamplingParams(temperature=0, max_new_tokens=7, ignore_eos=True)  # 10 + 7 - 1 tokens: 4 pages
+    [out] = llm.generate([list(range(30, 40))], whole_cache)
+    assert out.error is None and len(out.token_ids) == 7
+    llm.shutdown()
+
+
 def test_a_temperature_too_small_for_float32_samples_the_argmax(tiny_llama_dir):
     """1/t overflows float32 below ~3e-39 (the sampler then read inf and NaN): such a temperature is greedy."""
     llm = LLM(str(tiny_llama_dir), overrides=["engine.device=cpu", "model.dtype=float32", "model.max_seq_len=64"])

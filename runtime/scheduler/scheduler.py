@@ -228,10 +228,12 @@ class Scheduler:
             self.waiting.remove(req)
 
     def abort_all(self) -> list[Req]:
-        """Drop every unfinished request."""
-        dropped = list(self.waiting) + [r for r in self.prefilling + self.running if r.finish_reason is None]
+        """Drop every unfinished request, and release any finished one whose release an exception cut short."""
+        admitted = self.prefilling + self.running
+        dropped = list(self.waiting) + [r for r in admitted if r.finish_reason is None]
         for req in dropped:
             req.finish_reason = "abort"
+        for req in admitted:
             if req.table_idx >= 0:
                 self._release(req)
         self.waiting.clear()
