@@ -21,11 +21,11 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"max_position_embeddings": 2048},
     "MistralForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096},
     "MixtralForCausalLM": {"max_position_embeddings": 131072, "rope_theta": 1e6, "rms_norm_eps": 1e-5},
-    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "use_sliding_window": False},
-    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "use_sliding_window": False},
-    "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768, "use_sliding_window": False},
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096},
+    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096},
+    "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096},
 }
-_LLAMA_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "use_sliding_window": True, "sliding_window": None}
+_LLAMA_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "sliding_window": None}
 # Older config.json files name only the model_type; anything unknown must not load as Llama.
 _ARCH_OF_MODEL_TYPE = {"llama": ["LlamaForCausalLM"], "mistral": ["MistralForCausalLM"],
                        "qwen2": ["Qwen2ForCausalLM"], "qwen3": ["Qwen3ForCausalLM"],
@@ -113,12 +113,12 @@ class ModelConfig:
             raise ValueError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
         max_positions = int(get("max_position_embeddings"))
         window = get("sliding_window")
-        # Qwen's windows apply from layer max_window_layers on; none past the last layer is none at all.
-        sliding = get("use_sliding_window") and int(cfg.get("max_window_layers", 0)) < int(cfg["num_hidden_layers"])
+        sliding, why = _sliding_layers(cfg, arch)
         if window not in (None, 0) and sliding and window < max_positions:
             # A window no shorter than the context changes nothing; a real one needs masking we lack.
             said = "" if "sliding_window" in cfg else f" (transformers' default for {arch})"
-            raise ValueError(f"sliding_window={window}{said} is not supported (dense attention only)")
+            raise ValueError(f"sliding_window={window}{said} on layers {_ranges(sliding)} ({why}) is not supported "
+                             "(dense attention only)")
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         # transformers 5 folds rope_theta/rope_scaling into rope_parameters; older files have both at top level.
@@ -196,6 +196,29 @@ _CT_STRATEGIES = ("channel", "tensor", "block")
 
 def _unsupported(source: str, field: str, value: Any, why: str = "") -> ValueError:
     return ValueError(f"{source}: {field}={value!r} is not supported{why}; {_SUPPORTED}")
+
+
+def _sliding_layers(cfg: dict[str, Any], arch: str) -> tuple[list[int], str]:
+    """The layers transformers runs with a sliding window (if the config has one), and why."""
+    layers = int(cfg["num_hidden_layers"])
+    if arch == "LlamaForCausalLM":
+        return [], "Llama has none"
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+        return list(range(layers)), "every layer"
+    if not cfg.get("use_sliding_window", False):
+        return [], "use_sliding_window is false"
+    if arch == "Qwen3MoeForCausalLM":
+        return list(range(layers)), "use_sliding_window: every layer"
+    if cfg.get("layer_types"):
+        return [i for i, kind in enumerate(cfg["layer_types"]) if kind == "sliding_attention"], "layer_types"
+    first = int(cfg.get("max_window_layers", 28))
+    return list(range(first, layers)), f"use_sliding_window from max_window_layers={first}"
+
+
+def _ranges(layers: list[int]) -> str:
+    if len(layers) > 1 and layers == list(range(layers[0], layers[-1] + 1)):
+        return f"{layers[0]}-{layers[-1]}"
+    return ", ".join(map(str, layers))
 
 
 def fp8_checkpoint(quant: Any, source: str = "config.json") -> Fp8Checkpoint | None:

@@ -15,6 +15,7 @@ from models.layers import (
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
+    divide,
     load_per_tensor_scale,
     new_param,
 )
@@ -72,6 +73,7 @@ class LlamaMLP(nn.Module):
         if cfg.fp8 and kernels.silu_and_mul_quantize is not None and get_tp().size == 1:
             self.silu_and_mul = kernels.silu_and_mul_quantize
         size = cfg.intermediate_size
+        divide(size, get_tp().size, "intermediate_size")  # an error naming the config key, not a layer's features
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], cfg.mlp_bias, kernels.linear,
                                                        cfg.fp8)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias, kernels.linear, cfg.fp8)

@@ -75,9 +75,9 @@ class Experts(nn.Module):
     """Every expert's gate/up (``w13``: [experts, 2 * local intermediate, hidden]) and down (``w2``: [experts,
     hidden, local intermediate]) for this rank's slice of the intermediate dimension."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, key: str = "moe_intermediate_size") -> None:
         super().__init__()
-        self.local = divide(intermediate, get_tp().size, "moe_intermediate_size")
+        self.local = divide(intermediate, get_tp().size, key)  # ``key``: the config.json field errors name
         self.w13 = new_param(num_experts, 2 * self.local, hidden, loader=self._load)
         self.w2 = new_param(num_experts, hidden, self.local, loader=self._load)
 
@@ -105,7 +105,8 @@ class SparseMoE(nn.Module):
         self.top_k = cfg.experts_per_token
         self.renormalize = cfg.norm_topk_prob
         self.gate = Router(cfg.num_experts, cfg.hidden_size)
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        key = "intermediate_size" if cfg.architecture == "MixtralForCausalLM" else "moe_intermediate_size"
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, key)
         self.silu_and_mul = kernels.silu_and_mul
         self.linear = kernels.linear  # batch-invariant under engine.deterministic
         self.fused = kernels.fused_moe

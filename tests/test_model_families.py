@@ -131,10 +131,46 @@ def test_family_config_rules():
     no_layer_slides = {**base, "model_type": "qwen2", "sliding_window": 512, "use_sliding_window": True,
                        "max_window_layers": 1}
     assert ModelConfig.from_dict(no_layer_slides).qkv_bias
-    with pytest.raises(ValueError, match="sliding_window=512 is not"):
+    with pytest.raises(ValueError, match=r"sliding_window=512 on layers 0 \(use_sliding_window from max_window"):
         ModelConfig.from_dict({**no_layer_slides, "max_window_layers": 0})
     with pytest.raises(ValueError, match="hidden_act='gelu' is not supported"):
         ModelConfig.from_dict({**base, "architectures": ["LlamaForCausalLM"], "hidden_act": "gelu"})
+
+
+@pytest.mark.parametrize("arch,model_type,keys", [
+    ("Qwen2ForCausalLM", "qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 3,
+                                   "layer_types": ["full_attention", "sliding_attention", "full_attention"]}),
+    ("Qwen3ForCausalLM", "qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0,
+                                   "layer_types": ["full_attention"] * 3}),
+    ("Qwen2ForCausalLM", "qwen2", {"use_sliding_window": True, "num_hidden_layers": 30}),  # defaults: 4096 from 28
+    ("Qwen2ForCausalLM", "qwen2", {"use_sliding_window": True, "num_hidden_layers": 28}),
+    ("Qwen2ForCausalLM", "qwen2", {"use_sliding_window": False, "sliding_window": 8, "max_window_layers": 0}),
+    ("Qwen3ForCausalLM", "qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    ("Qwen3ForCausalLM", "qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 3}),
+    ("Qwen3MoeForCausalLM", "qwen3_moe", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 3}),
+    ("Qwen3MoeForCausalLM", "qwen3_moe", {"use_sliding_window": False, "sliding_window": 8}),
+    ("MixtralForCausalLM", "mixtral", {"sliding_window": 8}),
+    ("MixtralForCausalLM", "mixtral", {"sliding_window": None}),
+    ("LlamaForCausalLM", "llama", {"sliding_window": 8}),  # Llama has no window: transformers ignores the key
+])
+def test_a_config_is_refused_exactly_when_transformers_would_slide_a_window(arch, model_type, keys):
+    from transformers import AutoConfig
+
+    from models.config import ModelConfig
+
+    cfg = {**COMMON, "num_hidden_layers": 3, "max_position_embeddings": 8192, "architectures": [arch],
+           "model_type": model_type, **keys}
+    if model_type in ("qwen3_moe", "mixtral"):
+        cfg |= {"num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    theirs = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    window = getattr(theirs, "sliding_window", None)
+    kinds = getattr(theirs, "layer_types", None) or ["sliding_attention"] * cfg["num_hidden_layers"]
+    slides = model_type != "llama" and window is not None and "sliding_attention" in kinds
+    if slides:
+        with pytest.raises(ValueError, match=f"sliding_window={window}"):
+            ModelConfig.from_dict(cfg)
+    else:
+        assert ModelConfig.from_dict(cfg).architecture == arch
 
 
 def test_keys_a_config_leaves_out_take_transformers_defaults_for_its_family():

@@ -181,6 +181,28 @@ def test_indivisible_head_splits_fail_at_start_naming_the_numbers(heads, kv_head
         set_tp(TPInfo())
 
 
+@pytest.mark.parametrize("arch,moe,named", [("LlamaForCausalLM", False, "intermediate_size=129"),
+                                            ("MixtralForCausalLM", True, "intermediate_size=129"),
+                                            ("Qwen3MoeForCausalLM", True, "moe_intermediate_size=129")])
+def test_an_indivisible_mlp_width_fails_naming_its_config_key(arch, moe, named):
+    from models.config import ModelConfig
+    from models.llama import LlamaForCausalLM
+    from parallel.state import TPInfo, set_tp
+
+    moe_fields = {"moe": True, "num_experts": 4, "experts_per_token": 2, "moe_intermediate_size": 129,
+                  "sparse_layers": (0,)} if moe else {}
+    cfg = ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=129, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling=None,
+                      max_position_embeddings=64, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+                      torch_dtype="float32", architecture=arch, **moe_fields)
+    set_tp(TPInfo(rank=1, size=2))
+    try:
+        with torch.device("meta"), pytest.raises(ValueError, match=f"^{named} is not divisible by tensor-parallel"):
+            LlamaForCausalLM(cfg)
+    finally:
+        set_tp(TPInfo())
+
+
 def random_model_logits(rank: int, config_dir: str, prompts: list[list[int]]) -> list[torch.Tensor]:
     engine = make_engine(config_dir, "model.random_weights=true", "engine.seed=3", "cache.page_size=4")
     return prefill_logits(engine, prompts)
