@@ -11,6 +11,9 @@ MAX_N = 128
 # Below this a temperature samples the argmax (as vLLM treats it): 1/t would overflow float32 near 3e-39, and
 # logits scaled by 1e5 already leave no other token a chance.
 GREEDY_TEMPERATURE = 1e-5
+# Well inside float32: near 8.5e37 1/t stops being a normal float32 and flushes to 0, and a -inf logit times 0
+# is NaN, which wins the draw. At 1e30 every finite logit is already equally likely.
+MAX_TEMPERATURE = 1e30
 
 
 @dataclass
@@ -50,8 +53,8 @@ class SamplingParams:
         def is_number(v: object) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
-        if not is_number(self.temperature) or self.temperature < 0:
-            raise bad("temperature", "must be a finite number >= 0 (0 means greedy)")
+        if not is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad("temperature", f"must be a number in [0, {MAX_TEMPERATURE:g}] (0 means greedy)")
         if not is_int(self.top_k) or self.top_k < -1:
             raise bad("top_k", "must be an integer >= 1, or -1/0 to disable")
         if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:

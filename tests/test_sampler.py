@@ -249,6 +249,39 @@ def test_seed_and_position_fix_the_token_whatever_the_batch(rng):
     np.testing.assert_array_equal(again, tokens)
 
 
+def test_a_top_p_1_row_keeps_its_float32_tail_beside_a_top_p_row():
+    """Next to a row with top_p < 1 the batch carries top_p for every row; a row at 1.0 must still keep a token
+    whose mass float32 sums round away (it did so alone, and on the GPU)."""
+    logits = torch.tensor([[0.0, -16.646]])  # token 1: probability 5.9e-8
+    alone = kept_tokens(logits, torch.ones(1), None, None)
+    beside = kept_tokens(logits, torch.ones(1), None, torch.ones(1))
+    assert alone.tolist() == beside.tolist() == [[True, True]]
+    sampler = Sampler(2, CPU, use_kernels=False)
+    seeds = np.arange(20_000, dtype=np.int64)
+    rows = len(seeds)
+    pair = np.tile([[0.0, -16.646]], (rows, 1)).astype(np.float32)
+    alone = draw(sampler, pair, make_batch(1.0, -1, 1.0, seeds, np.full(rows, 17)))
+    mixed = draw(sampler, np.concatenate([pair, pair]),
+                 make_batch(1.0, -1, np.r_[np.ones(rows), np.full(rows, 0.5)], np.r_[seeds, seeds],
+                            np.full(2 * rows, 17)))
+    np.testing.assert_array_equal(mixed[:rows], alone)
+
+
+def test_a_temperature_whose_reciprocal_underflows_float32_is_refused():
+    from runtime.sampling_params import MAX_TEMPERATURE, SamplingParams
+
+    assert SamplingParams(temperature=MAX_TEMPERATURE).temperature == MAX_TEMPERATURE
+    with pytest.raises(ValueError, match=r"temperature=1e\+39 must be a number in \[0, 1e\+30\]"):
+        SamplingParams(temperature=1e39)
+    # At the bound a -inf logit still never wins, and the finite ones are about equally likely.
+    sampler = Sampler(4, CPU, use_kernels=False)
+    rows = 4000
+    logits = np.tile([[0.0, -np.inf, 1.0, -np.inf]], (rows, 1)).astype(np.float32)
+    counts = np.bincount(draw(sampler, logits, make_batch(MAX_TEMPERATURE, -1, 1.0, np.arange(rows), np.full(rows, 3))),
+                         minlength=4)
+    assert counts[1] == counts[3] == 0 and abs(counts[0] - counts[2]) < 300, counts
+
+
 def test_different_seeds_give_different_sequences_on_a_flat_distribution():
     vocab, steps, n_seeds = 1000, 32, 20
     sampler = Sampler(vocab, CPU, use_kernels=False)

@@ -69,7 +69,8 @@ def kept_tokens(x: torch.Tensor, inv_t: torch.Tensor, thresholds: torch.Tensor |
     descending = -sorted_x
     first_of_run = torch.searchsorted(descending.contiguous(), descending.contiguous(), side="left")
     above = torch.empty_like(before).scatter_(1, order, before.gather(1, first_of_run))
-    return keep & (above < top_p[:, None] * weight.sum(-1, keepdim=True))
+    # A row at top_p = 1 keeps its whole tail even where float32 sums round ``above`` up to the total.
+    return keep & ((above < top_p[:, None] * weight.sum(-1, keepdim=True)) | (top_p[:, None] >= 1.0))
 
 
 def sample_torch(logits: torch.Tensor, args: SamplingArgs) -> torch.Tensor:
