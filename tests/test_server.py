@@ -110,6 +110,48 @@ def test_server_requests_parse_streaming_and_several_prompts_and_refuse_bad_ones
                           ([1, 2], "JSON object")]:
         with pytest.raises(RequestError, match=message):
             parse_request("/v1/completions", body, defaults)
+    # The error body's param names the parameter, in the API's own words, as OpenAI fills it.
+    for url, body, param in [("/v1/completions", {"prompt": "a", "temperature": -1}, "temperature"),
+                             ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
+                             ("/v1/chat/completions", {"messages": [], "n": 2}, "messages"),
+                             ("/v1/completions", {"prompt": "a", "logprobs": 99}, "logprobs"),
+                             ("/v1/completions", {"prompt": "a", "tools": []}, "tools"),
+                             ("/v1/completions", {"prompt": ""}, "prompt")]:
+        with pytest.raises(RequestError) as caught:
+            parse_request(url, body, defaults)
+        assert caught.value.param == param, (body, caught.value)
+
+
+def test_completion_logprobs_keep_apart_the_tokens_of_a_split_character(llm):
+    """Tokens holding part of a UTF-8 character are listed as ``bytes:\\xNN`` (their decoded text is U+FFFD for
+    all of them, so the alternatives collapsed into one key); offsets count whole characters."""
+    from runtime.frontend.openai_api import TokenText, _completion_logprobs
+
+    tokens = TokenText(llm.tokenizer)
+    text = "日本の首都は東京です。"
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    raw = [bytes(tokens(t)[1]) for t in ids]
+    assert b"".join(raw).decode() == text
+    partial = [t for t, b in zip(ids, raw) if not _valid_utf8(b)]
+    assert len(set(partial)) >= 3  # the tokenizer splits these characters
+    entries = [{"token_id": t, "logprob": -0.5, "top": [(t, -0.5)] + [(p, -1.0 - i) for i, p in
+                                                                     enumerate(x for x in dict.fromkeys(partial)
+                                                                               if x != t)][:3]} for t in ids]
+    lp = _completion_logprobs(entries, 4, tokens)
+    for t, b, name, top in zip(ids, raw, lp["tokens"], lp["top_logprobs"]):
+        assert name == (tokens(t)[0] if _valid_utf8(b) else "bytes:" + "".join(f"\\x{c:02x}" for c in b))
+        assert len(top) == 4 and top[name] == -0.5
+    # Where each token starts: the whole characters its earlier tokens' bytes make.
+    starts = [len(b"".join(raw[:i]).decode("utf-8", errors="ignore")) for i in range(len(ids))]
+    assert lp["text_offset"] == starts
+
+
+def _valid_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 # ---- the server -------------------------------------------------------------------------------------------------
@@ -192,6 +234,27 @@ def test_n_logprobs_stop_and_seed(client, llm):
 
 
 @pytest.mark.slow
+def test_streamed_text_offsets_and_first_token_times_equal_the_unstreamed(server, client):
+    """A stop string's possible start holds text back in a stream; the tokens' text offsets must not move with
+    it. A request that ends on its first token still counts one time to first token."""
+    prompt = "One, two, three, four,"
+    full = client.completions.create(model="smol", prompt=prompt, **greedy(16)).choices[0].text
+    held = full.strip().split()[1] + "\u2603"  # its word comes, the whole never does: that text is held back
+    asked = dict(model="smol", prompt=prompt, logprobs=2, stop=[held], **greedy(16))
+    plain = client.completions.create(**asked).choices[0]
+    assert plain.text == full
+    starts = list(plain.logprobs.text_offset)
+    assert starts == [len("".join(plain.logprobs.tokens[:i])) for i in range(len(starts))]
+    streamed = [o for c in client.completions.create(stream=True, **asked) if c.choices and c.choices[0].logprobs
+                for o in c.choices[0].logprobs.text_offset]
+    assert streamed == starts
+    before = metrics(server)["tpinfer_time_to_first_token_seconds_count"]
+    for _ in range(3):
+        client.completions.create(model="smol", prompt="Hello", max_tokens=1)
+    assert metrics(server)["tpinfer_time_to_first_token_seconds_count"] == before + 3
+
+
+@pytest.mark.slow
 def test_bad_bodies_get_400_in_openais_shape_and_the_server_stays_up(server, client):
     def post(body: bytes, path: str = "/v1/chat/completions") -> tuple[int, dict]:
         request = urllib.request.Request(server + path, data=body, method="POST", headers={
@@ -250,6 +313,25 @@ def test_a_call_aborted_while_queued_is_never_admitted(llm):
         assert call.finished and all(r.finish_reason == "abort" for r in reqs)
         assert not llm.scheduler.waiting and llm.scheduler.idle and not serving._calls
         assert (len(llm.scheduler.free_rows), llm.scheduler.allocator.num_free) == (free_rows, free_pages)
+    finally:
+        loop.close()
+
+
+def test_a_call_is_counted_once_when_its_client_leaves_after_the_last_chunk(llm):
+    """Writing the last chunk fails and the front end aborts a call the loop already closed: metrics must not
+    count it again."""
+    from runtime.frontend.serving import Call, Observer, Serving
+
+    finished: list[Call] = []
+    serving = Serving(llm, Observer(on_finish=finished.append))  # not started: its refill runs on this thread
+    reqs = llm.make_requests("Hello there", SamplingParams(max_new_tokens=3))
+    loop = asyncio.new_event_loop()
+    try:
+        call = Call(reqs, reqs[0].prompt_len, True, loop)
+        serving._close(call)  # the loop finished it
+        serving.abort(call)  # then the client left
+        assert serving._refill()
+        assert finished == [call]
     finally:
         loop.close()
 

@@ -6,6 +6,7 @@ by name rather than ignored.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import re
 from dataclasses import dataclass
@@ -33,11 +34,12 @@ _PASSED = ("temperature", "top_p", "n", "stop", "seed", "top_k", "ignore_eos", "
 
 
 class RequestError(ValueError):
-    """A request that cannot be served: ``code`` is machine-readable, the message names the parameter."""
+    """A request that cannot be served: ``code`` is machine-readable, the message names the parameter, ``param``
+    is its name where there is one (the error body's ``param``, as OpenAI fills it)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
         super().__init__(message)
-        self.code = code
+        self.code, self.param = code, param
 
 
 @dataclass(frozen=True)
@@ -86,19 +88,19 @@ def _parse(url: str, body: dict[str, Any], defaults: SamplingParams, server: boo
         body = {k: v for k, v in body.items() if k not in _STREAMING}
     unknown = sorted(set(body) - _ALLOWED[url] - set(_NEUTRAL))
     if unknown:
-        raise RequestError("invalid_request", f"unsupported parameter(s) {unknown} for {url}")
+        raise RequestError("invalid_request", f"unsupported parameter(s) {unknown} for {url}", unknown[0])
     for name, neutral in _NEUTRAL.items():
         if name in body and not any(body[name] == v and type(body[name]) is type(v) for v in neutral):
-            raise RequestError("invalid_request", f"{name}={body[name]!r} is not supported (only {neutral[0]!r})")
+            raise RequestError("invalid_request", f"{name}={body[name]!r} is not supported (only {neutral[0]!r})", name)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise RequestError("invalid_request", f"'model' must be a string, not {model!r}")
+        raise RequestError("invalid_request", f"'model' must be a string, not {model!r}", "model")
     prompts = [_messages(body.get("messages"))] if url == CHAT else _prompts(body.get("prompt"), many=server)
     values = {name: body[name] for name in _PASSED if name in body}
     names = {"max_new_tokens": "max_tokens"}
     lengths = {k: body[k] for k in ("max_completion_tokens", "max_tokens") if k in body}
     if len(set(map(repr, lengths.values()))) > 1:
-        raise RequestError("invalid_request", f"max_tokens and max_completion_tokens differ: {lengths}")
+        raise RequestError("invalid_request", f"max_tokens and max_completion_tokens differ: {lengths}", "max_tokens")
     if lengths:
         names["max_new_tokens"], values["max_new_tokens"] = next(iter(lengths.items()))
     logprobs = _logprobs(url, body)
@@ -109,9 +111,11 @@ def _parse(url: str, body: dict[str, Any], defaults: SamplingParams, server: boo
         sampling = SamplingParams.from_dict(values, base=defaults)
     except (TypeError, ValueError) as exc:
         message = str(exc)
+        named = re.match(r"sampling parameter (\w+)=", message)
+        param = names.get(named.group(1), named.group(1)) if named else None
         for ours, theirs in names.items():
             message = message.replace(f"sampling parameter {ours}=", f"{theirs}=")
-        raise RequestError("invalid_request", message.replace("sampling parameter ", "")) from None
+        raise RequestError("invalid_request", message.replace("sampling parameter ", ""), param) from None
     return prompts, sampling, Request(url, model, logprobs, stream, include_usage,
                                       sampling.max_new_tokens if lengths else None)
 
@@ -123,21 +127,21 @@ def check_context(request: Request, prompt_tokens: int, max_seq_len: int) -> Non
         raise RequestError("context_length_exceeded",
                            f"the maximum context length is {max_seq_len} tokens (model.max_seq_len); this request "
                            f"asks for {prompt_tokens + request.max_tokens} ({prompt_tokens} in the prompt, "
-                           f"max_tokens={request.max_tokens})")
+                           f"max_tokens={request.max_tokens})", "messages" if request.url == CHAT else "prompt")
 
 
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise RequestError("invalid_request", f"stream={stream!r} must be true or false")
+        raise RequestError("invalid_request", f"stream={stream!r} must be true or false", "stream")
     options = body.get("stream_options", {})
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise RequestError("invalid_request", f"stream_options={options!r}: only {{'include_usage': bool}} is supported")
+        raise RequestError("invalid_request", f"stream_options={options!r}: only {{'include_usage': bool}} is supported", "stream_options")
     if options and not stream:
-        raise RequestError("invalid_request", "stream_options needs stream=true")
+        raise RequestError("invalid_request", "stream_options needs stream=true", "stream_options")
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
-        raise RequestError("invalid_request", f"stream_options.include_usage={include_usage!r} must be true or false")
+        raise RequestError("invalid_request", f"stream_options.include_usage={include_usage!r} must be true or false", "stream_options")
     return stream, include_usage
 
 
@@ -145,27 +149,27 @@ def _logprobs(url: str, body: dict[str, Any]) -> int | None:
     value = body.get("logprobs")
     if url == COMPLETIONS:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise RequestError("invalid_request", f"logprobs={value!r} must be an integer (alternatives per token)")
+            raise RequestError("invalid_request", f"logprobs={value!r} must be an integer (alternatives per token)", "logprobs")
         return value
     if value is not None and not isinstance(value, bool):
-        raise RequestError("invalid_request", f"logprobs={value!r} must be true or false")
+        raise RequestError("invalid_request", f"logprobs={value!r} must be true or false", "logprobs")
     top = body.get("top_logprobs")
     if top is not None and not value:
-        raise RequestError("invalid_request", "top_logprobs needs logprobs=true")
+        raise RequestError("invalid_request", "top_logprobs needs logprobs=true", "top_logprobs")
     if not value:
         return None
     if top is not None and (isinstance(top, bool) or not isinstance(top, int)):
-        raise RequestError("invalid_request", f"top_logprobs={top!r} must be an integer")
+        raise RequestError("invalid_request", f"top_logprobs={top!r} must be an integer", "top_logprobs")
     return 0 if top is None else top
 
 
 def _messages(value: Any) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
-        raise RequestError("invalid_request", "'messages' must be a non-empty list of {role, content} objects")
+        raise RequestError("invalid_request", "'messages' must be a non-empty list of {role, content} objects", "messages")
     messages = []
     for i, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise RequestError("invalid_request", f"messages[{i}] must be an object with a string 'role'")
+            raise RequestError("invalid_request", f"messages[{i}] must be an object with a string 'role'", "messages")
         content = message.get("content")
         if isinstance(content, list):
             texts = []
@@ -173,11 +177,11 @@ def _messages(value: Any) -> list[dict[str, str]]:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                     raise RequestError("invalid_request", f"messages[{i}].content[{j}] is of type {kind!r}: "
-                                                          "only text parts are supported")
+                                                          "only text parts are supported", "messages")
                 texts.append(part["text"])
             content = "\n".join(texts)
         if not isinstance(content, str):
-            raise RequestError("invalid_request", f"messages[{i}].content must be a string or a list of text parts")
+            raise RequestError("invalid_request", f"messages[{i}].content must be a string or a list of text parts", "messages")
         messages.append({"role": message["role"], "content": content})
     return messages
 
@@ -189,9 +193,9 @@ def _prompts(value: Any, many: bool) -> list[str | list[int]]:
     if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
         if len(value) > 1 and not many:
             raise RequestError("invalid_request", f"'prompt' holds {len(value)} prompts; a batch line takes one "
-                                                  "(a string or a list of token ids): give each its own line")
+                                                  "(a string or a list of token ids): give each its own line", "prompt")
         if len(value) > MAX_PROMPTS:
-            raise RequestError("invalid_request", f"'prompt' holds {len(value)} prompts; at most {MAX_PROMPTS}")
+            raise RequestError("invalid_request", f"'prompt' holds {len(value)} prompts; at most {MAX_PROMPTS}", "prompt")
         return [_prompt(p) for p in value]
     return [_prompt(value)]
 
@@ -199,11 +203,11 @@ def _prompts(value: Any, many: bool) -> list[str | list[int]]:
 def _prompt(value: Any) -> str | list[int]:
     if isinstance(value, str):
         if not value:
-            raise RequestError("invalid_request", "'prompt' is empty")
+            raise RequestError("invalid_request", "'prompt' is empty", "prompt")
         return value
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         return list(value)
-    raise RequestError("invalid_request", "'prompt' must be a string, a non-empty list of token ids, or a list of these")
+    raise RequestError("invalid_request", "'prompt' must be a string, a non-empty list of token ids, or a list of these", "prompt")
 
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -267,18 +271,45 @@ def _chat_logprobs(entries: list[dict[str, Any]], k: int, tokens: TokenText) -> 
     return {"content": content, "refusal": None}
 
 
-def _completion_logprobs(entries: list[dict[str, Any]], k: int, tokens: TokenText, offset: int = 0) -> dict[str, Any]:
-    texts, logprobs, tops, offsets = [], [], [], []
+class TextOffsets:
+    """Where each token of a completion starts in its text: the characters its earlier tokens' bytes decode to.
+    The tokens of a character split over several start where it does. One per choice, across a stream's chunks."""
+
+    def __init__(self) -> None:
+        self.chars = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, data: bytes) -> int:
+        start = self.chars
+        self.chars += len(self._decoder.decode(data))
+        return start
+
+
+def _completion_token(tokens: TokenText, token_id: int) -> tuple[str, bytes]:
+    """A token as the completions API lists it, and its bytes: a token that is no whole UTF-8 text (part of a
+    character) is ``bytes:\\xNN...``, as OpenAI writes it, so the alternatives of a split character stay apart."""
+    text, raw = tokens(token_id)
+    data = bytes(raw) if raw is not None else text.encode("utf-8", errors="surrogatepass")
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data), data
+    return text, data
+
+
+def _completion_logprobs(entries: list[dict[str, Any]], k: int, tokens: TokenText,
+                         offsets: TextOffsets | None = None) -> dict[str, Any]:
+    offsets = offsets or TextOffsets()
+    texts, logprobs, tops, starts = [], [], [], []
     for e in entries:
-        text = tokens(e["token_id"])[0]
-        top = {tokens(int(t))[0]: _logprob(lp) for t, lp in e["top"][:k]}
+        text, data = _completion_token(tokens, e["token_id"])
+        top = {_completion_token(tokens, int(t))[0]: _logprob(lp) for t, lp in e["top"][:k]}
         top.setdefault(text, _logprob(e["logprob"]))  # the sampled token is always listed, as the API does
         texts.append(text)
         logprobs.append(_logprob(e["logprob"]))
         tops.append(top)
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+        starts.append(offsets.advance(data))
+    return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": starts}
 
 
 def response_body(request: Request, output: Any, tokens: TokenText, model: str, created: int,
@@ -325,14 +356,14 @@ def chunk(request: Request, key: str, model: str, created: int, choices: list[di
 
 
 def chunk_choice(request: Request, index: int, text: str | None, finish_reason: str | None,
-                 entries: list[dict[str, Any]] | None, tokens: TokenText, text_offset: int = 0,
+                 entries: list[dict[str, Any]] | None, tokens: TokenText, offsets: TextOffsets | None = None,
                  role: bool = False) -> dict[str, Any]:
     logprobs = None
     if request.logprobs is not None and entries:
         if request.url == CHAT:
             logprobs = _chat_logprobs(entries, request.logprobs, tokens)
         else:
-            logprobs = _completion_logprobs(entries, request.logprobs, tokens, text_offset)
+            logprobs = _completion_logprobs(entries, request.logprobs, tokens, offsets)
     if request.url == CHAT:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:

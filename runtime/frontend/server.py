@@ -127,7 +127,7 @@ async def _complete(request: web.Request, url: str) -> web.StreamResponse:
             reqs += group
             prompt_tokens += group[0].prompt_len
     except api.RequestError as exc:
-        return _error(400, str(exc), exc.code)
+        return _error(400, str(exc), exc.code, exc.param)
     except ValueError as exc:
         return _error(400, str(exc), api.engine_error_code(str(exc)))
     except Exception as exc:  # noqa: BLE001 - a chat template's own error, say
@@ -190,10 +190,11 @@ class _ChoiceStream:
         self.detok = IncrementalDetokenizer(llm.tokenizer) if llm.tokenizer is not None else None
         self.tokens_sent = 0
         self.chars_sent = 0
+        self.offsets = api.TextOffsets()  # the tokens' text offsets (completions logprobs), across chunks
         self.done = False
 
-    def advance(self) -> tuple[str, list[Any] | None, str | None, int, int]:
-        """(new text, logprob entries of the new tokens, finish reason or None, the text's offset, new tokens)."""
+    def advance(self) -> tuple[str, list[Any] | None, str | None, int]:
+        """(new text, logprob entries of the new tokens, finish reason or None, new tokens)."""
         req = self.req
         reason = req.finish_reason  # read first: once it is set, every token is there
         count = len(req.output_ids)
@@ -209,9 +210,8 @@ class _ChoiceStream:
             text = full[self.chars_sent : visible_end(full, self.chars_sent, req.sampling.stop)]
         else:
             text = ""
-        offset = self.chars_sent
         self.chars_sent += len(text)
-        return text, entries, reason, offset, len(new)
+        return text, entries, reason, len(new)
 
 
 def _dumps(obj: Any) -> str:
@@ -251,12 +251,12 @@ async def _stream(request: web.Request, state: ServerState, call: Call, spec: ap
             for i, choice in enumerate(choices):
                 if choice.done:
                     continue
-                text, entries, reason, offset, new = choice.advance()
+                text, entries, reason, new = choice.advance()
                 if reason is None and not entries and new:
                     head, tail = plain[i]
                     out += head + _dumps(text).encode() + tail
                 elif new or reason:
-                    piece = api.chunk_choice(spec, i, text, reason, entries, state.tokens, offset)
+                    piece = api.chunk_choice(spec, i, text, reason, entries, state.tokens, choice.offsets)
                     out += _event(api.chunk(spec, key, state.model, created, [piece]))
             if out:
                 await response.write(bytes(out))

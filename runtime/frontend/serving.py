@@ -33,6 +33,7 @@ class Call:
     started: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     done: int = 0  # engine thread
+    closed: bool = False  # engine thread: finished or aborted, and counted once
 
     @property
     def finished(self) -> bool:
@@ -124,7 +125,7 @@ class Serving:
         return True
 
     def _admit(self, call: Call) -> None:
-        if call.finished:  # its client left while it was queued: closed by the abort, never admitted
+        if call.closed:  # its client left while it was queued: closed by the abort, never admitted
             return
         for req in call.reqs:
             self._calls[req.uid] = call
@@ -142,10 +143,15 @@ class Serving:
         if call is None:
             return
         call.done += 1
+        self._first_token(call, req)  # a request that ends on its first token never reaches _on_tokens
         if call.finished:
             self._close(call)
 
     def _close(self, call: Call) -> None:
+        """Once per call: a client that leaves after the last chunk aborts a call already closed."""
+        if call.closed:
+            return
+        call.closed = True
         call.done = len(call.reqs)
         self._forget(call)
         self.observer.on_finish(call)
@@ -161,12 +167,15 @@ class Serving:
             call = self._calls.get(req.uid)
             if call is None:
                 continue
-            if call.first_token_at is None and req.output_ids:
-                call.first_token_at = time.monotonic()
-                self.observer.on_first_token(call)
+            self._first_token(call, req)
             if call.stream:
                 woken.append(call)
         self._wake()
+
+    def _first_token(self, call: Call, req: Req) -> None:
+        if call.first_token_at is None and req.output_ids:
+            call.first_token_at = time.monotonic()
+            self.observer.on_first_token(call)
 
     def _wake(self) -> None:
         if not self._woken:
