@@ -23,6 +23,7 @@ class TorchAttnMeta:
     out_index: torch.Tensor
     token_request: np.ndarray | None = None
     token_kv_len: np.ndarray | None = None
+    request_kv_len: list[int] | None = None  # keys each request's last token attends to
 
 
 class TorchAttentionBackend:
@@ -61,6 +62,7 @@ class TorchAttentionBackend:
         if self.deterministic:
             self.meta.token_request = np.repeat(np.arange(n), q_lens)
             self.meta.token_kv_len = np.concatenate([np.arange(s, s + e) for s, e in zip(batch.starts, q_lens)]) + 1
+            self.meta.request_kv_len = (np.asarray(batch.starts) + q_lens).tolist()
         batch.attn_meta = self.meta
 
     def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int, cos_sin: torch.Tensor) -> torch.Tensor:
@@ -81,12 +83,18 @@ class TorchAttentionBackend:
         return out.transpose(1, 2).reshape(-1, heads, dim)[meta.out_index]
 
     def _per_token(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
-        """One SDPA call a token over exactly its own keys: BLAS splits work by shape."""
+        """One SDPA call a token over exactly its own keys: BLAS splits work by shape. A request's keys are read
+        once a layer and each of its tokens takes a prefix of them (a view laid out as its own read would be):
+        reading them per token made a long prompt's prefill quadratic in copies."""
         meta = self.meta
         out = torch.empty_like(q)
+        read_for = -1
         for token, (request, length) in enumerate(zip(meta.token_request.tolist(), meta.token_kv_len.tolist())):
-            slots = meta.kv_slots[request, :length]
-            keys, values = (self.kv_cache.read(layer_id, plane, slots, q.dtype) for plane in (0, 1))
+            if request != read_for:  # a request's tokens are adjacent
+                slots = meta.kv_slots[request, : meta.request_kv_len[request]]
+                all_keys, all_values = (self.kv_cache.read(layer_id, plane, slots, q.dtype) for plane in (0, 1))
+                read_for = request
+            keys, values = all_keys[:length], all_values[:length]
             out[token] = F.scaled_dot_product_attention(
                 q[token, :, None], keys.transpose(0, 1), values.transpose(0, 1), scale=self.scale, enable_gqa=True,
             )[:, 0]
