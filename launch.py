@@ -42,10 +42,12 @@ log = logging.getLogger("tpinfer")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="tpinfer: tensor-parallel offline inference for Llama-family models",
+    parser = argparse.ArgumentParser(description="tpinfer: tensor-parallel batch jobs, and an OpenAI-compatible "
+                                                 "server (launch.py serve ...), for decoder LLMs",
                                      epilog="experiment sweeps: --sweep-file FILE, or --sweep key=a,b ... "
                                             "(python launch.py --sweep --help)")
-    parser.add_argument("--config", action="append", default=None, help="YAML config (repeatable; merged in order)")
+    parser.add_argument("--config", action="append", default=None,
+                        help="YAML config in place of configs/default.yaml (repeatable; merged in order)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                         help="start N ranks on this node through torchrun's launcher, with our exit codes: 143 "
@@ -114,6 +116,7 @@ def serve(cfg: RuntimeConfig, llm: LLM, drain: Drain, output_locked: bool = Fals
 
     if cfg.job.input:
         from runtime.frontend.job import run_job
+        from runtime.frontend.job_files import JobPaths
 
         m = run_job(llm, to_yaml(cfg), output_locked)
         if get_tp().dp_rank == 0:
@@ -126,6 +129,11 @@ def serve(cfg: RuntimeConfig, llm: LLM, drain: Drain, output_locked: bool = Fals
                 print(f"interrupted by signal: finished rows are on disk; rerun to complete (exit {EXIT_PREEMPTED})",
                       file=sys.stderr)
             return EXIT_PREEMPTED
+        if m["completed"] == m["already_done"] == 0 and m["errors"]:
+            if get_tp().dp_rank == 0:
+                print(f"error: no row could be served; why is in {JobPaths.from_config(cfg.job).errors}",
+                      file=sys.stderr)
+            return 1
         return 0
     tp = get_tp()
     mine = cfg.job.prompts[tp.dp_rank :: tp.dp_size]
@@ -138,7 +146,7 @@ def serve(cfg: RuntimeConfig, llm: LLM, drain: Drain, output_locked: bool = Fals
     stats = llm.last_stats
     print(f"{stats['output_tokens']} tokens in {stats['seconds']:.2f} s: {stats['tokens_per_s']:.1f} tokens/s "
           f"({llm.engine.device.type}, tp={tp.size}, {len(outputs)} requests){replica}")
-    return 0
+    return 1 if all(out.error for out in outputs) else 0  # every prompt failed: the job did not run
 
 
 def run_worker(cfg: RuntimeConfig) -> int:
@@ -221,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         except OutputLocked as exc:
             print(f"error: {exc}", file=sys.stderr, flush=True)
             return 1
+        except OSError as exc:  # its lock file cannot be made (a read-only file system, say)
+            print(f"error: config key 'job.output'={cfg.job.output}: its lock file cannot be made ({exc.strerror}: "
+                  f"{exc.filename})", file=sys.stderr, flush=True)
+            return 2
     try:
         with held:
             tp = init_distributed(wants_cuda(cfg.engine.device), cfg.parallel.timeout_s, tp_size=cfg.parallel.tp_size)

@@ -194,6 +194,8 @@ def _explain(exc: OmegaConfBaseException, schema: DictConfig, source: str) -> Co
         near = difflib.get_close_matches(key, _all_keys(schema), n=1, cutoff=0.6)
         hint = f"; did you mean '{near[0]}'?" if near else ""
         return ConfigError(f"{source}: unknown config key '{key}'{hint}")
+    if "is not a ListConfig" in msg:  # a scalar for a list key
+        return ConfigError(f"{source}: config key '{key}' takes a list, e.g. {key}=[a,b] (in YAML: [a, b])")
     return ConfigError(f"{source}: invalid value for config key '{key}': {msg}")
 
 

@@ -172,6 +172,16 @@ def test_a_wrong_type_is_one_line_without_omegaconfs_internals():
     assert "\n" not in message and "object_type" not in message and "reference_type" not in message
 
 
+def test_a_scalar_for_a_list_key_says_it_takes_a_list(tmp_path):
+    with pytest.raises(ConfigError, match=r"^override 'sampling.stop=END': config key 'sampling.stop' takes a list, "
+                                          r"e.g. sampling.stop=\[a,b\]"):
+        load_config([], ["sampling.stop=END"])
+    path = write(tmp_path, "stop.yaml", "job:\n  columns:\n    keep: answer\n")
+    with pytest.raises(ConfigError, match=r"config key 'job.columns.keep' takes a list"):
+        load_config([path])
+    assert load_config([], ["sampling.stop=[END]"]).sampling.stop == ["END"]
+
+
 @pytest.mark.parametrize("text", ["cache: [page_size: 1\n", "cache:\n  page_size: 1\n bad indent: 2\n", "{{{\n"])
 def test_malformed_yaml(tmp_path, text):
     path = write(tmp_path, "bad.yaml", text)

@@ -82,3 +82,15 @@ def test_a_drain_that_leaves_the_source_unread_is_an_interruption(tiny_llama_dir
     done = llm.run(one_at_a_time)
     assert drain.signum == signal.SIGTERM and len(done) == 2 and len(handed) < ROWS
     assert llm.interrupted
+
+
+def test_a_job_that_serves_no_row_fails(tiny_llama_dir, tmp_path, capsys):
+    """Every row an error row (here too long for the context): exit 1 naming the errors file, not 0."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"id": i, "prompt": list(range(5, 100))}) + "\n" for i in range(3)))
+    llm = LLM(str(tiny_llama_dir), overrides=["engine.device=cpu", "model.dtype=float32", "model.max_seq_len=64",
+                                             f"job.input={rows}", f"job.output={tmp_path / 'out.jsonl'}",
+                                             "job.progress=false"])
+    assert launch.serve(llm.cfg, llm, Drain()) == 1
+    assert f"no row could be served; why is in {tmp_path / 'out.errors.jsonl'}" in capsys.readouterr().err
+    assert len((tmp_path / "out.errors.jsonl").read_text().splitlines()) == 3

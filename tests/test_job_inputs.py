@@ -84,6 +84,19 @@ def test_bad_rows_become_error_rows_naming_their_line(tiny_llama_dir, tmp_path):
     assert "usable 'id'" in by_line[6] and "duplicate id" in by_line[8] and "maximum sequence length" in by_line[9]
 
 
+def test_a_misspelt_row_key_is_an_error_row_and_other_keys_ride_along(tiny_llama_dir, tmp_path):
+    _write(tmp_path / "rows.jsonl", [json.dumps(r).encode() for r in [
+        {"id": "typo", "prompt": [5, 6], "samplng": {"max_new_tokens": 2}},
+        {"id": "promt", "promt": [5, 6]},
+        {"id": "kept", "prompt": [5, 6], "sampling": {"max_new_tokens": 2}, "answer": "Paris", "meta": {"k": 1}},
+    ]])
+    m = run_job(_llm(tiny_llama_dir, tmp_path), "cfg")
+    errors = {e["id"]: e["error"] for e in _read(tmp_path / "out.errors.jsonl")}
+    assert [r["id"] for r in _read(tmp_path / "out.jsonl")] == ["kept"] and m["completed"] == 1
+    assert errors == {"typo": "line 1: unknown key 'samplng' (did you mean 'sampling'?)",
+                      "promt": "line 2: unknown key 'promt' (did you mean 'prompt'?)"}
+
+
 def test_rerun_retries_failed_rows_and_skips_unreadable_output_lines(tiny_llama_dir, tmp_path):
     rows = [{"id": i, "prompt": list(range(5, 5 + 12 * i)), "sampling": {"max_new_tokens": 2}} for i in range(1, 8)]
     _write(tmp_path / "rows.jsonl", [json.dumps(r).encode() for r in rows])
@@ -180,10 +193,14 @@ def test_an_output_that_cannot_be_written_fails_before_the_model_loads(tmp_path)
     rows = tmp_path / "rows.jsonl"
     _write(rows, [json.dumps({"id": 1, "prompt": [5]}).encode()])
     cases = {tmp_path: "'job.output'=.* is a folder; name a file in it",
-             rows / "o.jsonl": "'job.output'=.*: its folder cannot be made"}
+             rows / "o.jsonl": "'job.output'=.*: its folder cannot be made",
+             tmp_path / "o.csv": r"job.output=.*o.csv: results are written as JSONL or Parquet, not .csv",
+             tmp_path / ("x" * 300 + ".jsonl"): "'job.output'=.*: File name too long",
+             (tmp_path / "o.jsonl", "job.format=openai"): r"rows.jsonl: its first row is a native row .* \(job.format"}
     for output, message in cases.items():
+        output, *extra = output if isinstance(output, tuple) else (output,)
         proc = subprocess.run([sys.executable, "launch.py", "model.path=/nonexistent", f"job.input={rows}",
-                               f"job.output={output}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+                               f"job.output={output}", *extra], cwd=REPO, capture_output=True, text=True, timeout=120)
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
         assert proc.returncode == 2 and len(errors) == 1 and re.search(message, errors[0]), proc.stderr
         assert "Traceback" not in proc.stderr and "nonexistent" not in proc.stderr  # before the model

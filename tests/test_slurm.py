@@ -163,6 +163,9 @@ def test_sbatch_syntax(name):
     ("multi_node.sbatch", {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]"},
      "torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=gpu07:20007 --rdzv-id=7 "
      "--max-restarts=0 launch.py --config configs/default.yaml cache.page_size=1 'job.stop=[a]'\n"),
+    ("multi_node.sbatch", {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]", "NPROC_PER_NODE": "2"},
+     "torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=gpu07:20007 --rdzv-id=7 "
+     "--max-restarts=0 launch.py --config configs/default.yaml cache.page_size=1 'job.stop=[a]'\n"),
 ])
 def test_sbatch_dry_run(tmp_path, name, env, expected):
     # The script cd's to the submit dir: make one that reaches the real scripts and also holds a

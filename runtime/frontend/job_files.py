@@ -3,6 +3,7 @@ the part files of replicas r > 0 (``<output>.part-<r>``), merged at the end of a
 
 from __future__ import annotations
 
+import difflib
 import glob
 import json
 import logging
@@ -88,7 +89,11 @@ class JobPaths:
     def check_writable(self) -> None:
         """The output files can be made: checked before the model loads, so a typo costs seconds, not a load."""
         for key, path in (("job.output", self.output), ("job.errors", self.errors), ("job.metrics", self.metrics)):
-            if path.is_dir():
+            try:
+                folder_named = path.is_dir()
+            except OSError as exc:  # a name too long, say
+                raise ConfigError(f"config key '{key}'={path}: {exc.strerror}") from None
+            if folder_named:
                 raise ConfigError(f"config key '{key}'={path} is a folder; name a file in it")
             folder = path.parent
             try:
@@ -173,16 +178,24 @@ def row_kind(obj: Any) -> str | None:
     return "native" if {"id", "prompt", "messages"} & obj.keys() else None
 
 
-def jsonl_format(path: Path) -> str:
+def jsonl_format(path: Path, forced: str = "auto") -> str:
+    """The kind of rows a JSONL file holds, from its first row of a known kind (native if none is); a forced
+    ``job.format`` must agree with that row, so a mismatch stops the job before the model loads."""
+    found = None
     with open(path, "rb") as f:
         for raw in f:
             try:
-                kind = row_kind(json.loads(raw))
+                found = row_kind(json.loads(raw))
             except (ValueError, RecursionError):
                 continue
-            if kind is not None:
-                return kind
-    return "native"
+            if found is not None:
+                break
+    if forced == "auto":
+        return found or "native"
+    if found is not None and found != forced:
+        raise InputError(f"{path}: its first row is {_KIND_NAMES[found]}, in a file of {_KIND_PLURALS[forced]} "
+                         f"(job.format={forced}); a file holds one kind of row")
+    return forced
 
 
 _CUSTOM_ID = re.compile(rb'"custom_id"\s*:\s*("(?:[^"\\]|\\.)*")')
@@ -219,6 +232,20 @@ def _load_json(line: str, line_no: int) -> tuple[Any, str | None]:
         return None, f"line {line_no} cannot be read: {str(exc).splitlines()[0][:200]}"
 
 
+_NATIVE_KEYS = ("id", "prompt", "messages", "sampling")
+
+
+def _misspelt_key(row: dict[str, Any]) -> str | None:
+    """Other keys ride along unread (an answer kept for scoring, say), but one a letter or two from a key we read
+    would silently drop what it holds: ``samplng`` would serve the row with the default sampling."""
+    for key in row:
+        if key not in _NATIVE_KEYS:
+            close = difflib.get_close_matches(key, _NATIVE_KEYS, n=1, cutoff=0.75)
+            if close:
+                return f"unknown key {key!r} (did you mean {close[0]!r}?)"
+    return None
+
+
 def _native_row(row: Any, line_no: int, defaults: SamplingParams, chat_template: bool, seen: set[str]) -> JobRow:
     if not isinstance(row, dict):
         return JobRow(line_no, None, error=f"line {line_no} must be a JSON object")
@@ -229,6 +256,9 @@ def _native_row(row: Any, line_no: int, defaults: SamplingParams, chat_template:
     if key in seen:
         return JobRow(line_no, row_id, error=f"line {line_no}: duplicate id {row_id!r}")
     seen.add(key)
+    misspelt = _misspelt_key(row)
+    if misspelt is not None:
+        return JobRow(line_no, row_id, error=f"line {line_no}: {misspelt}")
     if ("prompt" in row) == ("messages" in row):
         return JobRow(line_no, row_id, error=f"line {line_no}: a row needs exactly one of 'prompt' or 'messages'")
     if "messages" in row and not (

@@ -28,6 +28,7 @@ class JobInput:
 
 
 TABLE_SUFFIXES = (".parquet", ".pq", ".csv", ".tsv", ".arrow", ".feather", ".ipc")
+UNWRITTEN_SUFFIXES = tuple(s for s in TABLE_SUFFIXES if s not in PARQUET_SUFFIXES)  # read, never written
 
 
 def open_input(path: Path, job: Any, defaults: SamplingParams) -> JobInput:
@@ -41,7 +42,7 @@ def open_input(path: Path, job: Any, defaults: SamplingParams) -> JobInput:
         if job.columns.keep:
             raise InputError(f"job.columns.keep={list(job.columns.keep)} applies to table inputs (Parquet, CSV, "
                              f"Arrow, datasets); job.input={path} is JSONL")
-        fmt = jsonl_format(path) if job.format == "auto" else job.format
+        fmt = jsonl_format(path, job.format)
         return JobInput(path, fmt, lambda: read_rows(path, defaults, job.chat_template, fmt))
     if job.format != "auto":
         raise InputError(f"job.format={job.format} applies to JSONL inputs; job.input={path} is a table ({kind})")
@@ -54,7 +55,11 @@ def open_input(path: Path, job: Any, defaults: SamplingParams) -> JobInput:
 
 def output_format(output: Path, source: JobInput) -> str:
     """jsonl (result rows), openai (batch result lines, for an OpenAI batch input) or parquet."""
-    parquet = output.suffix.lower() in PARQUET_SUFFIXES
+    suffix = output.suffix.lower()
+    if suffix in UNWRITTEN_SUFFIXES:  # other names (shard.00, say) are JSONL
+        raise InputError(f"job.output={output}: results are written as JSONL or Parquet, not {suffix}; name it "
+                         ".jsonl, or .parquet for a table")
+    parquet = suffix in PARQUET_SUFFIXES
     if source.format == "openai":
         if parquet:
             raise InputError(f"an OpenAI batch input is answered with OpenAI batch result lines: job.output={output} "
