@@ -58,7 +58,8 @@ class Req:
     device_len: int = 0  # prompt + launched samples in the device token pool
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    text: str | None = None
+    text: str | None = None  # set where a stop string cut the text; else the text decodes ``text_ids``
+    stop_token_hidden: bool = False  # it ended on one of ``stop_token_ids``, whose text is not output (as vLLM)
     detok: Any = None
     sampling_row: tuple = ()
     sample_index: int = 0
@@ -68,6 +69,11 @@ class Req:
     cumulative_logprob: float | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # sample 0 only: the prompt is shared
     logprob_ks: tuple[int, int] = (-1, -1)  # (logprobs k, prompt_logprobs k); -1 = off
+
+    @property
+    def text_ids(self) -> list[int]:
+        """The output tokens the text shows."""
+        return self.output_ids[:-1] if self.stop_token_hidden else self.output_ids
 
     def __post_init__(self) -> None:
         self.device_len = len(self.prompt_ids)

@@ -50,7 +50,10 @@ class OutputProcessor:
 
     def finish_reason(self, req: Req, token: int) -> str | None:
         params = req.sampling
-        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        if token in self.eos_ids and not params.ignore_eos:
+            return "stop"
+        if token in params.stop_token_ids:
+            req.stop_token_hidden = True
             return "stop"
         if req.detok is not None:
             new = req.detok.push(token)

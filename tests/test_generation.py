@@ -129,6 +129,7 @@ def test_stop_strings_and_stop_tokens(default_model_dir):
         SamplingParams(temperature=0, max_new_tokens=20, stop_token_ids=[first]),
     )[0]
     assert by_id.token_ids == free.token_ids[:3] and by_id.finish_reason == "stop"
+    assert by_id.text == llm.tokenizer.decode(free.token_ids[:2])  # the stop token's text is not output, as vLLM
     ignored = llm.generate(
         [chat("What is the capital of France?")], SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
     )[0]

@@ -49,7 +49,7 @@ class Results:
         self._complete(RequestOutput(index=position, error=message))
 
     def finished(self, req: Req) -> None:
-        text = req.text if req.text is not None else self.decode(req.output_ids)
+        text = req.text if req.text is not None else self.decode(req.text_ids)
         samples = self._samples.setdefault(req.index, [])
         samples.append(SampleOutput.from_req(req, text))
         if len(samples) < req.sampling.n:

@@ -165,7 +165,7 @@ async def _wait(request: web.Request, state: ServerState, call: Call) -> bool:
 
 
 def _final_text(llm: LLM, req: Any) -> str:
-    return req.text if req.text is not None else llm._decode(req.output_ids)
+    return req.text if req.text is not None else llm._decode(req.text_ids)
 
 
 def visible_end(text: str, start: int, stops: list[str]) -> int:
