@@ -252,6 +252,17 @@ def load_config(paths: list[str | Path] | None = None, overrides: list[str] | No
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as exc:
             raise _explain(exc, schema, str(file)) from None
+    return _with_overrides(merged, overrides, schema)
+
+
+def apply_overrides(cfg: RuntimeConfig, overrides: list[str]) -> RuntimeConfig:
+    """A validated copy of ``cfg`` with ``key=value`` overrides merged on top."""
+    return _with_overrides(OmegaConf.structured(cfg), overrides, OmegaConf.structured(type(cfg)))
+
+
+def _with_overrides(merged: DictConfig, overrides: list[str] | None, schema: DictConfig) -> RuntimeConfig:
+    if isinstance(overrides, str):
+        raise ConfigError(f"overrides must be a list of 'key=value' strings, not one string: [{overrides!r}]")
     for item in overrides or []:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r} is not of the form key=value")

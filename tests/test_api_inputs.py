@@ -40,6 +40,29 @@ def test_a_bare_chat_message_is_refused_not_split_into_prompts(tiny_llm):
         tiny_llm.generate({"role": "user", "content": "hi"})
 
 
+def test_prompts_that_are_no_prompt_are_a_named_type_error_and_a_tuple_of_ids_is_one_prompt(tiny_llm):
+    for bad in (None, 5, b"abc"):
+        with pytest.raises(TypeError, match=f"prompts must be a string, .* not {type(bad).__name__}"):
+            tiny_llm.generate(bad)
+    greedy = SamplingParams(temperature=0, max_new_tokens=3)
+    [as_tuple], [as_list] = tiny_llm.generate((7, 8, 9), greedy), tiny_llm.generate([7, 8, 9], greedy)
+    assert as_tuple.error is None and as_tuple.token_ids == as_list.token_ids
+
+
+def test_overrides_apply_on_top_of_a_given_config_which_is_left_as_it_was(tiny_llama_dir):
+    from runtime.config import ConfigError, load_config
+
+    cfg = load_config(overrides=["engine.device=cpu", "model.dtype=float32", "model.max_seq_len=64"])
+    llm = LLM(str(tiny_llama_dir), config=cfg, overrides=["cache.page_size=8"])
+    assert llm.engine.page_size == 8 and llm.cfg.model.path == str(tiny_llama_dir)
+    assert cfg.cache.page_size != 8 and cfg.model.path != str(tiny_llama_dir)
+    llm.shutdown()
+    with pytest.raises(ConfigError, match="unknown config key 'cache.page_sise'; did you mean 'cache.page_size'"):
+        LLM(str(tiny_llama_dir), config=cfg, overrides=["cache.page_sise=8"])
+    with pytest.raises(ConfigError, match="a list of 'key=value' strings, not one string"):
+        LLM(str(tiny_llama_dir), overrides="engine.device=cpu")
+
+
 def test_sampling_params_as_a_dict(tiny_llm):
     greedy = tiny_llm.generate([[7, 8, 9]], SamplingParams(temperature=0, max_new_tokens=4))[0]
     as_dict = tiny_llm.generate([[7, 8, 9]], {"temperature": 0, "max_new_tokens": 4})[0]

