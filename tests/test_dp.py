@@ -196,3 +196,16 @@ def test_a_tp_size_that_does_not_divide_the_world_fails_once_and_clearly(model_d
     assert proc.returncode != 0
     assert log.count("error on rank") == 1
     assert "error on rank 0: parallel.tp_size=2 does not divide the world size 3" in log
+
+
+@pytest.mark.slow
+def test_a_replica_idle_at_the_end_keeps_its_tp_workers_inside_a_short_timeout(model_dir, tmp_path):
+    """DP 2 x TP 2, one long row and one short: the short row's leader waits at the last barrier far longer than
+    parallel.timeout_s, and its TP worker must still be waiting for it, not timed out (the job is complete)."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"id": 0, "prompt": "A long story", "sampling": {"max_new_tokens": 480,
+                                                                               "ignore_eos": True}}) + "\n"
+                    + json.dumps({"id": 1, "prompt": "Short", "sampling": {"max_new_tokens": 1}}) + "\n")
+    out = tmp_path / "out.jsonl"
+    _run(_job(model_dir, rows, out, 4, 2, "parallel.timeout_s=5"))
+    assert sorted(_texts(out)) == [0, 1]

@@ -30,3 +30,23 @@ def test_finished_rows_are_counted_over_every_replica(monkeypatch) -> None:
     monkeypatch.setattr(replicas_module, "PROGRESS_PUSH_S", 0.0)
     first.finished(0), second.finished(0)  # both push what they hold
     assert first.finished(0) == second.finished(0) == 7
+
+
+def test_a_leader_waiting_at_a_barrier_pings_its_workers_inside_their_timeout() -> None:
+    """TP workers give up a receive after parallel.timeout_s: a leader idle at a barrier must ping them more often
+    than that, however short it is set (a fixed 5 s interval failed finished jobs at timeout_s=4)."""
+    import threading
+    import time
+
+    store = dist.HashStore()
+    pings: list[float] = []
+    waiting = _replica(0, 2, store)
+    waiting.keepalive, waiting.keepalive_s = (lambda: pings.append(time.monotonic())), 0.05
+    late = _replica(1, 2, store)
+    arrive = threading.Timer(0.6, late.barrier, args=("reported",))
+    arrive.start()
+    start = time.monotonic()
+    waiting.barrier("reported")
+    arrive.join()
+    gaps = [b - a for a, b in zip([start, *pings], pings)]
+    assert len(pings) >= 5 and max(gaps) < 0.3, gaps

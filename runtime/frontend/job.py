@@ -58,7 +58,8 @@ def run_job(llm: Any, config_yaml: str, output_locked: bool = False) -> dict[str
     source = open_input(paths.input, job, llm.default_sampling())
     out_format = output_format(paths.output, source)
     start = time.perf_counter()
-    replicas = Replicas(llm.keep_workers_waiting, llm.drain, job.drain_timeout_s)
+    replicas = Replicas(llm.keep_workers_waiting, llm.drain, job.drain_timeout_s,
+                        keepalive_s=min(5.0, llm.cfg.parallel.timeout_s / 4))
     with ExitStack() as held:
         if replicas.first:
             if job.lock and not output_locked:

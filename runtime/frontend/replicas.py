@@ -30,14 +30,15 @@ def number_next_job(number: int) -> None:
 
 class Replicas:
     def __init__(self, keepalive: Callable[[], None] = lambda: None, drain: Drain | None = None,
-                 drain_timeout_s: float = 0.0) -> None:
+                 drain_timeout_s: float = 0.0, keepalive_s: float = 5.0) -> None:
         global _jobs_started
         _jobs_started += 1
         info = get_tp()
         self.index, self.count = info.dp_rank, info.dp_size
         self.store = get_store() if self.count > 1 else None
         self.prefix = f"tpinfer/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/job{_jobs_started}"
-        self.keepalive = keepalive  # TP workers must not time out in their receive
+        # TP workers must not time out in their receive: pinged well inside their timeout while the leader waits.
+        self.keepalive, self.keepalive_s = keepalive, keepalive_s
         self.drain, self.drain_timeout_s = drain, drain_timeout_s
         self._claimed = 0
         self._drain_published = False
@@ -99,7 +100,7 @@ class Replicas:
         while self.store.add(key, 0) < self.count:
             time.sleep(delay)
             delay = min(delay * 2, 0.2)
-            if time.monotonic() - last_keepalive > 5.0:
+            if time.monotonic() - last_keepalive > self.keepalive_s:
                 self.keepalive()
                 last_keepalive = time.monotonic()
             if self.drain is not None and self.drain.expired(self.drain_timeout_s + BARRIER_GRACE_S):
