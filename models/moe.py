@@ -75,7 +75,7 @@ class Experts(nn.Module):
     """Every expert's gate/up (``w13``: [experts, 2 * local intermediate, hidden]) and down (``w2``: [experts,
     hidden, local intermediate]) for this rank's slice of the intermediate dimension."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, key: str = "moe_intermediate_size") -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, key: str) -> None:
         super().__init__()
         self.local = divide(intermediate, get_tp().size, key)  # ``key``: the config.json field errors name
         self.w13 = new_param(num_experts, 2 * self.local, hidden, loader=self._load)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -233,7 +234,7 @@ def _validate(cfg: RuntimeConfig) -> None:
         raise ConfigError(f"config section 'sampling': {exc}") from None
 
 
-def load_config(paths: list[str | Path] | None = None, overrides: list[str] | None = None,
+def load_config(paths: list[str | Path] | None = None, overrides: Sequence[str] | None = None,
                 *, schema: type[RuntimeConfig] = RuntimeConfig) -> RuntimeConfig:
     """Schema <- each YAML file in order <- ``key=value`` overrides; validated."""
     schema = OmegaConf.structured(schema)
@@ -255,12 +256,12 @@ def load_config(paths: list[str | Path] | None = None, overrides: list[str] | No
     return _with_overrides(merged, overrides, schema)
 
 
-def apply_overrides(cfg: RuntimeConfig, overrides: list[str]) -> RuntimeConfig:
+def apply_overrides(cfg: RuntimeConfig, overrides: Sequence[str]) -> RuntimeConfig:
     """A validated copy of ``cfg`` with ``key=value`` overrides merged on top."""
     return _with_overrides(OmegaConf.structured(cfg), overrides, OmegaConf.structured(type(cfg)))
 
 
-def _with_overrides(merged: DictConfig, overrides: list[str] | None, schema: DictConfig) -> RuntimeConfig:
+def _with_overrides(merged: DictConfig, overrides: Sequence[str] | None, schema: DictConfig) -> RuntimeConfig:
     if isinstance(overrides, str):
         raise ConfigError(f"overrides must be a list of 'key=value' strings, not one string: [{overrides!r}]")
     for item in overrides or []:

@@ -88,7 +88,8 @@ def test_a_misspelt_row_key_is_an_error_row_and_other_keys_ride_along(tiny_llama
     _write(tmp_path / "rows.jsonl", [json.dumps(r).encode() for r in [
         {"id": "typo", "prompt": [5, 6], "samplng": {"max_new_tokens": 2}},
         {"id": "promt", "promt": [5, 6]},
-        {"id": "kept", "prompt": [5, 6], "sampling": {"max_new_tokens": 2}, "answer": "Paris", "meta": {"k": 1}},
+        {"id": "kept", "prompt": [5, 6], "sampling": {"max_new_tokens": 2}, "answer": "Paris", "meta": {"k": 1},
+         "idx": 3, "uid": "u", "prompt_id": 7, "prompts": ["a"], "message": "m"},  # near names of keys it has
     ]])
     m = run_job(_llm(tiny_llama_dir, tmp_path), "cfg")
     errors = {e["id"]: e["error"] for e in _read(tmp_path / "out.errors.jsonl")}

@@ -219,6 +219,9 @@ BAD = {  # custom_id: (line, code)
                "invalid_json"),
     "embed": (json.dumps(_line("embed", "/v1/embeddings", input="x")), "invalid_url"),
     "long": (json.dumps(_line("long", COMPLETIONS, prompt="word " * 300, max_tokens=2)), "context_length_exceeded"),
+    "wide": (json.dumps(_line("wide", COMPLETIONS, prompt="Tell me a story", max_tokens=126)),
+             "context_length_exceeded"),  # fits no 128-token context beside its prompt: refused, not cut short
+    "wider": (json.dumps(_line("wider", CHAT, messages=HELLO, max_completion_tokens=4000)), "context_length_exceeded"),
     "get": (json.dumps({**_line("get", COMPLETIONS, prompt="x"), "method": "GET"}), "invalid_method"),
     "echo": (json.dumps(_line("echo", COMPLETIONS, prompt="x", echo=True)), "invalid_request"),
 }
@@ -228,7 +231,8 @@ def test_a_batch_file_with_good_and_bad_lines(text_model, tmp_path):
     rows = tmp_path / "batch.jsonl"
     lines = [json.dumps(line) for line in GOOD]
     lines[2:2] = [BAD["broken"][0], BAD["embed"][0]]
-    lines += [BAD["long"][0], BAD["get"][0], json.dumps(_line("chat", CHAT, messages=HELLO)), BAD["echo"][0]]
+    lines += [BAD["long"][0], BAD["get"][0], json.dumps(_line("chat", CHAT, messages=HELLO)), BAD["echo"][0],
+              BAD["wide"][0], BAD["wider"][0]]
     rows.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out.jsonl"
     proc = _launch(text_model, rows, out)

@@ -146,6 +146,29 @@ def test_completion_logprobs_keep_apart_the_tokens_of_a_split_character(llm):
     assert lp["text_offset"] == starts
 
 
+def test_a_sentencepiece_token_of_latin_letters_is_text_not_bytes():
+    """"é" is in the byte-level alphabet too (byte 0xE9), but in a SentencePiece vocabulary it is the letter:
+    its bytes are its UTF-8, and completions list it as text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from runtime.frontend.openai_api import TokenText, _completion_logprobs
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+    for piece in ["▁", "é", "ür", "▁caf"]:
+        vocab[piece] = len(vocab)
+    sp = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    sp.pre_tokenizer = pre_tokenizers.Metaspace()
+    sp.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    tokens = TokenText(PreTrainedTokenizerFast(tokenizer_object=sp))
+    assert tokens(vocab["é"]) == ("é", list("é".encode())) and tokens(vocab["ür"]) == ("ür", list("ür".encode()))
+    assert tokens(vocab["<0xE9>"])[1] == [0xE9]
+    ids = [vocab["▁caf"], vocab["é"], vocab["<0xC3>"], vocab["<0xBC>"]]  # café, then ü split into its bytes
+    lp = _completion_logprobs([{"token_id": t, "logprob": -1.0, "top": [(t, -1.0)]} for t in ids], 1, tokens)
+    assert lp["tokens"] == ["caf", "é", "bytes:\\xc3", "bytes:\\xbc"] and lp["text_offset"] == [0, 3, 4, 4]
+
+
 def _valid_utf8(data: bytes) -> bool:
     try:
         data.decode("utf-8")

@@ -228,6 +228,21 @@ def test_a_failed_run_is_recorded_and_the_sweep_goes_on(model_dir, rows, tmp_pat
                                                                             model_dir.name: "done"}
 
 
+def test_a_list_axis_runs_and_a_run_that_serves_no_row_fails(model_dir, rows, tmp_path):
+    """A swept list (stop strings) is recorded as a list; a run whose every row is refused (here too long for
+    its context) is failed, as the same job exits 1, and a rerun serves it again."""
+    file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows,
+                       grid={"model.max_seq_len": [256, 8], "sampling.stop": [[], ["the"]]})
+    assert sweep.main(["--sweep-file", str(file)]) == 1
+    table = {(r["model.max_seq_len"], r["sampling.stop"]): r for r in results(tmp_path / "out")}
+    assert {key: r["status"] for key, r in table.items()} == {
+        ("256", "[]"): "done", ("256", '["the"]'): "done", ("8", "[]"): "failed", ("8", '["the"]'): "failed"}
+    refused = table[("8", "[]")]
+    assert refused["error"].startswith("no row could be served") and refused["errors"] == str(ROWS)
+    assert (sweep.last_stats.done, sweep.last_stats.failed) == (2, 2)
+    assert sweep.main(["--sweep-file", str(file)]) == 1 and sweep.last_stats.skipped == 2  # the failed ones again
+
+
 @pytest.mark.parametrize(("spec", "message"), [
     ({"grid": {"sampling.temprature": [0.0, 1.0]}}, "unknown config key 'sampling.temprature'; did you mean "
                                                     "'sampling.temperature'?"),

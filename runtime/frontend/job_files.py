@@ -236,13 +236,16 @@ _NATIVE_KEYS = ("id", "prompt", "messages", "sampling")
 
 
 def _misspelt_key(row: dict[str, Any]) -> str | None:
-    """Other keys ride along unread (an answer kept for scoring, say), but one a letter or two from a key we read
-    would silently drop what it holds: ``samplng`` would serve the row with the default sampling."""
+    """Other keys ride along unread (an answer kept for scoring, an ``idx``), but one a letter or two from a key
+    the row lacks would silently drop what it holds: ``samplng`` would serve the row with the default sampling.
+    (A row without ``id`` is an error anyway.)"""
+    missing = [] if "sampling" in row else ["sampling"]
+    if "prompt" not in row and "messages" not in row:
+        missing += ["prompt", "messages"]
     for key in row:
-        if key not in _NATIVE_KEYS:
-            close = difflib.get_close_matches(key, _NATIVE_KEYS, n=1, cutoff=0.75)
-            if close:
-                return f"unknown key {key!r} (did you mean {close[0]!r}?)"
+        close = difflib.get_close_matches(key, missing, n=1, cutoff=0.75) if key not in _NATIVE_KEYS else []
+        if close:
+            return f"unknown key {key!r} (did you mean {close[0]!r}?)"
     return None
 
 

@@ -147,8 +147,8 @@ class LLM:
         if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, (str, Iterable)):
             raise TypeError(f"prompts must be a string, a list of token ids, a chat (a list of messages) or a list "
                             f"of these, not {type(prompts).__name__}")
-        if isinstance(prompts, tuple) and prompts and isinstance(prompts[0], int):
-            prompts = list(prompts)  # token ids as a tuple: one prompt
+        if isinstance(prompts, tuple) and prompts and isinstance(prompts[0], (int, dict)):
+            prompts = list(prompts)  # token ids or a chat as a tuple: one prompt
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
         prompts = list(prompts)

@@ -136,12 +136,14 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
         raise RequestError("invalid_request", f"stream={stream!r} must be true or false", "stream")
     options = body.get("stream_options", {})
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise RequestError("invalid_request", f"stream_options={options!r}: only {{'include_usage': bool}} is supported", "stream_options")
+        raise RequestError("invalid_request", f"stream_options={options!r}: only {{'include_usage': bool}} is supported",
+                           "stream_options")
     if options and not stream:
         raise RequestError("invalid_request", "stream_options needs stream=true", "stream_options")
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
-        raise RequestError("invalid_request", f"stream_options.include_usage={include_usage!r} must be true or false", "stream_options")
+        raise RequestError("invalid_request", f"stream_options.include_usage={include_usage!r} must be true or false",
+                           "stream_options")
     return stream, include_usage
 
 
@@ -149,7 +151,8 @@ def _logprobs(url: str, body: dict[str, Any]) -> int | None:
     value = body.get("logprobs")
     if url == COMPLETIONS:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise RequestError("invalid_request", f"logprobs={value!r} must be an integer (alternatives per token)", "logprobs")
+            raise RequestError("invalid_request", f"logprobs={value!r} must be an integer (alternatives per token)",
+                               "logprobs")
         return value
     if value is not None and not isinstance(value, bool):
         raise RequestError("invalid_request", f"logprobs={value!r} must be true or false", "logprobs")
@@ -165,7 +168,8 @@ def _logprobs(url: str, body: dict[str, Any]) -> int | None:
 
 def _messages(value: Any) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
-        raise RequestError("invalid_request", "'messages' must be a non-empty list of {role, content} objects", "messages")
+        raise RequestError("invalid_request", "'messages' must be a non-empty list of {role, content} objects",
+                           "messages")
     messages = []
     for i, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
@@ -181,7 +185,8 @@ def _messages(value: Any) -> list[dict[str, str]]:
                 texts.append(part["text"])
             content = "\n".join(texts)
         if not isinstance(content, str):
-            raise RequestError("invalid_request", f"messages[{i}].content must be a string or a list of text parts", "messages")
+            raise RequestError("invalid_request", f"messages[{i}].content must be a string or a list of text parts",
+                               "messages")
         messages.append({"role": message["role"], "content": content})
     return messages
 
@@ -195,7 +200,8 @@ def _prompts(value: Any, many: bool) -> list[str | list[int]]:
             raise RequestError("invalid_request", f"'prompt' holds {len(value)} prompts; a batch line takes one "
                                                   "(a string or a list of token ids): give each its own line", "prompt")
         if len(value) > MAX_PROMPTS:
-            raise RequestError("invalid_request", f"'prompt' holds {len(value)} prompts; at most {MAX_PROMPTS}", "prompt")
+            raise RequestError("invalid_request", f"'prompt' holds {len(value)} prompts; at most {MAX_PROMPTS}",
+                               "prompt")
         return [_prompt(p) for p in value]
     return [_prompt(value)]
 
@@ -207,7 +213,8 @@ def _prompt(value: Any) -> str | list[int]:
         return value
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         return list(value)
-    raise RequestError("invalid_request", "'prompt' must be a string, a non-empty list of token ids, or a list of these", "prompt")
+    raise RequestError("invalid_request", "'prompt' must be a string, a non-empty list of token ids, or a list of these",
+                       "prompt")
 
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -253,7 +260,11 @@ class TokenText:
             if byte:
                 return text, [int(byte.group(1), 16)]
             if all(c in self._decoder for c in raw):
-                return text, [self._decoder[c] for c in raw]
+                mapped = [self._decoder[c] for c in raw]
+                # Byte-level BPE: the entry spells the token's bytes. A SentencePiece entry of such characters
+                # ("é") is text, and its bytes are its text's.
+                if bytes(mapped).decode("utf-8", errors="replace") == text:
+                    return text, mapped
         return text, list(text.encode("utf-8", errors="surrogatepass"))
 
 
@@ -287,14 +298,16 @@ class TextOffsets:
 
 def _completion_token(tokens: TokenText, token_id: int) -> tuple[str, bytes]:
     """A token as the completions API lists it, and its bytes: a token that is no whole UTF-8 text (part of a
-    character) is ``bytes:\\xNN...``, as OpenAI writes it, so the alternatives of a split character stay apart."""
+    character, decoded as U+FFFD) is ``bytes:\\xNN...``, as OpenAI writes it, so the alternatives of a split
+    character stay apart."""
     text, raw = tokens(token_id)
-    data = bytes(raw) if raw is not None else text.encode("utf-8", errors="surrogatepass")
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in data), data
-    return text, data
+    if "\ufffd" in text and raw is not None:
+        data = bytes(raw)
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in data), data
+    return text, text.encode("utf-8", errors="surrogatepass")
 
 
 def _completion_logprobs(entries: list[dict[str, Any]], k: int, tokens: TokenText,

@@ -96,7 +96,7 @@ class Replicas:
             return
         key = f"{self.prefix}/{name}"
         self.store.add(key, 1)
-        delay, last_keepalive = 0.001, time.monotonic()
+        delay, last_keepalive = 0.001, float("-inf")  # the leader may have been idle before it got here
         while self.store.add(key, 0) < self.count:
             time.sleep(delay)
             delay = min(delay * 2, 0.2)

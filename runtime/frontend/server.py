@@ -198,6 +198,8 @@ class _ChoiceStream:
         req = self.req
         reason = req.finish_reason  # read first: once it is set, every token is there
         count = len(req.output_ids)
+        if reason is None and count > self.tokens_sent and req.output_ids[count - 1] in req.sampling.stop_token_ids:
+            count -= 1  # a stop token whose finish is being set: its text is never output
         new = req.output_ids[self.tokens_sent : count]
         entries = req.output_logprobs[self.tokens_sent : count] if req.output_logprobs is not None else None
         self.tokens_sent = count

@@ -388,16 +388,22 @@ class _Sweeper:
 
     def record(self, run: Run, m: dict[str, Any], began: str, load_s: float, wall_s: float) -> None:
         interrupted = m["interrupted"]  # rows left: a drain that came after the last one leaves the run done
-        status = INTERRUPTED if interrupted else DONE
+        # As a job exits 1: nothing in the output but error rows. Failed, so a rerun serves it again.
+        served_nothing = not interrupted and m["completed"] == m["already_done"] == 0 and m["errors"] > 0
+        error = f"no row could be served; why is in {run.paths.errors}" if served_nothing else ""
+        status = INTERRUPTED if interrupted else FAILED if served_nothing else DONE
         self.stats.interrupted += interrupted
-        self.stats.done += not interrupted
+        self.stats.failed += served_nothing
+        self.stats.done += status == DONE
+        if served_nothing:
+            print(f"run {run.index}/{len(self.runs)} {run.name}: failed: {error}", file=sys.stderr, flush=True)
         if not self.writer:
             return
         attempt = {"started": began, "wall_s": round(wall_s, 4), "load_s": round(load_s, 4),
-                   "job_s": round(m["wall_s"], 4), "output_tokens": m["output_tokens"], "completed": m["completed"],
+                   "job_s": m["wall_s"], "output_tokens": m["output_tokens"], "completed": m["completed"],
                    "already_done": m["already_done"], "interrupted": interrupted, "engine": "loaded" if load_s else "reused"}
         before = (run.record() or {}).get("attempts", [])
-        write_record(run.dir, {**_record_head(run), "status": status, "error": "", "attempts": [*before, attempt]})
+        write_record(run.dir, {**_record_head(run), "status": status, "error": error, "attempts": [*before, attempt]})
         engine = f"model loaded in {load_s:.1f} s" if load_s else "model reused"
         print(f"run {run.index}/{len(self.runs)} {run.name}: {status}, {m['completed']} rows ({m['already_done']} done "
               f"before), {m['errors']} errors, {m['output_tokens']} tokens at {m['output_tokens_per_s']:.1f} tokens/s; "

@@ -85,8 +85,10 @@ class Run:
         return Path(self.cfg.job.input) == self.dir / "input.jsonl"
 
     def swept_values(self) -> dict[str, Any]:
+        """Plain values (a swept list is a list, not omegaconf's ListConfig, which JSON cannot write)."""
         node = OmegaConf.structured(self.cfg)
-        return {key: OmegaConf.select(node, key) for key in self.point}
+        values = {key: OmegaConf.select(node, key) for key in self.point}
+        return {key: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for key, v in values.items()}
 
     def engine_key(self) -> str:
         """Equal for two runs exactly when one loaded engine can serve both."""
