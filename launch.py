@@ -115,7 +115,7 @@ def serve(cfg: RuntimeConfig, llm: LLM, drain: Drain, output_locked: bool = Fals
     from runtime.frontend.signals import EXIT_PREEMPTED
 
     if cfg.job.input:
-        from runtime.frontend.job import run_job
+        from runtime.frontend.job import run_job, served_nothing
         from runtime.frontend.job_files import JobPaths
 
         m = run_job(llm, to_yaml(cfg), output_locked)
@@ -129,7 +129,7 @@ def serve(cfg: RuntimeConfig, llm: LLM, drain: Drain, output_locked: bool = Fals
                 print(f"interrupted by signal: finished rows are on disk; rerun to complete (exit {EXIT_PREEMPTED})",
                       file=sys.stderr)
             return EXIT_PREEMPTED
-        if m["completed"] == m["already_done"] == 0 and m["errors"]:
+        if served_nothing(m):
             if get_tp().dp_rank == 0:
                 print(f"error: no row could be served; why is in {JobPaths.from_config(cfg.job).errors}",
                       file=sys.stderr)

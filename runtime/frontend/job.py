@@ -327,6 +327,11 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: Todo, out_format:
     }
 
 
+def served_nothing(m: dict[str, Any]) -> bool:
+    """A complete job whose output holds nothing but error rows (none served now, none before): it failed."""
+    return not m["interrupted"] and m["completed"] == m["already_done"] == 0 and m["errors"] > 0
+
+
 def summarize(reports: list[dict[str, Any]], wall: float, config_yaml: str) -> dict[str, Any]:
     total = {k: sum(r[k] for r in reports) for k in ("rows", "errors", "input_tokens", "output_tokens")}
     latencies = [x for r in reports for x in r["latencies"]]

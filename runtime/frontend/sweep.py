@@ -388,14 +388,15 @@ class _Sweeper:
 
     def record(self, run: Run, m: dict[str, Any], began: str, load_s: float, wall_s: float) -> None:
         interrupted = m["interrupted"]  # rows left: a drain that came after the last one leaves the run done
-        # As a job exits 1: nothing in the output but error rows. Failed, so a rerun serves it again.
-        served_nothing = not interrupted and m["completed"] == m["already_done"] == 0 and m["errors"] > 0
-        error = f"no row could be served; why is in {run.paths.errors}" if served_nothing else ""
-        status = INTERRUPTED if interrupted else FAILED if served_nothing else DONE
+        from runtime.frontend.job import served_nothing
+
+        failed = served_nothing(m)  # as the job alone exits 1; failed, so a rerun serves it again
+        error = f"no row could be served; why is in {run.paths.errors}" if failed else ""
+        status = INTERRUPTED if interrupted else FAILED if failed else DONE
         self.stats.interrupted += interrupted
-        self.stats.failed += served_nothing
+        self.stats.failed += failed
         self.stats.done += status == DONE
-        if served_nothing:
+        if failed:
             print(f"run {run.index}/{len(self.runs)} {run.name}: failed: {error}", file=sys.stderr, flush=True)
         if not self.writer:
             return

@@ -62,7 +62,7 @@ class TorchAttentionBackend:
         if self.deterministic:
             self.meta.token_request = np.repeat(np.arange(n), q_lens)
             self.meta.token_kv_len = np.concatenate([np.arange(s, s + e) for s, e in zip(batch.starts, q_lens)]) + 1
-            self.meta.request_kv_len = (np.asarray(batch.starts) + q_lens).tolist()
+            self.meta.request_kv_len = kv_lens.tolist()
         batch.attn_meta = self.meta
 
     def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int, cos_sin: torch.Tensor) -> torch.Tensor:
