@@ -159,6 +159,11 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return bool(self.sparse_layers)
 
+    @property
+    def expert_width_key(self) -> str:
+        """The config.json key of an expert's MLP width, for errors."""
+        return "intermediate_size" if self.architecture == "MixtralForCausalLM" else "moe_intermediate_size"
+
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
         file = Path(path) / "config.json"
@@ -166,6 +171,26 @@ class ModelConfig:
             return cls.from_dict(json.loads(file.read_text()), str(file))
         except (KeyError, json.JSONDecodeError) as exc:
             raise ValueError(f"{file}: cannot read the model config ({exc!r})") from exc
+
+
+def not_divisible(key: str, size: int, tp: int) -> str:
+    return (f"{key}={size} is not divisible by tensor-parallel size {tp}; choose a parallel.tp_size that divides it "
+            "(parallel.tp_size=1 makes every rank a data-parallel replica)")
+
+
+def tp_problem(cfg: ModelConfig, tp: int) -> str | None:
+    """Why a tensor-parallel group of ``tp`` ranks cannot split this model, naming the config.json key; None if it
+    can. Checked before anything is built, so a sweep or a Slurm array is refused at submission."""
+    if cfg.num_heads % tp:
+        return not_divisible("num_attention_heads", cfg.num_heads, tp)
+    if cfg.num_kv_heads >= tp and cfg.num_kv_heads % tp:
+        return not_divisible("num_key_value_heads", cfg.num_kv_heads, tp)
+    if cfg.num_kv_heads < tp and tp % cfg.num_kv_heads:  # fewer KV heads than ranks: each is on tp / kv ranks
+        return (f"num_key_value_heads={cfg.num_kv_heads} is neither a multiple nor a divisor of tensor-parallel "
+                f"size {tp}; choose a parallel.tp_size that it divides or that divides it")
+    widths = [("intermediate_size", cfg.intermediate_size)] if len(cfg.sparse_layers) < cfg.num_layers else []
+    widths += [(cfg.expert_width_key, cfg.moe_intermediate_size)] if cfg.sparse_layers else []
+    return next((not_divisible(key, size, tp) for key, size in widths if size % tp), None)
 
 
 def _moe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models import fp8
+from models.config import not_divisible
 from models.ops import TORCH_KERNELS, Kernels
 from parallel import all_gather_last_dim, all_reduce, all_reduce_max, get_tp, linear_all_reduce
 
@@ -88,10 +89,7 @@ class Fp8Weight:
 
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
-        raise ValueError(
-            f"{what}={numerator} is not divisible by tensor-parallel size {denominator}; choose a parallel.tp_size "
-            f"that divides it (parallel.tp_size=1 makes every rank a data-parallel replica)"
-        )
+        raise ValueError(not_divisible(what, numerator, denominator))
     return numerator // denominator
 
 
@@ -248,11 +246,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         if num_kv_heads >= tp.size:
             self.num_kv_heads = divide(num_kv_heads, tp.size, "num_key_value_heads")
             self.kv_head_start = tp.rank * self.num_kv_heads
-        else:
-            if tp.size % num_kv_heads:
-                raise ValueError(
-                    f"num_key_value_heads={num_kv_heads} neither divides nor is a divisor of tensor-parallel size {tp.size}"
-                )
+        else:  # LlamaForCausalLM checked tp_problem: tp.size is a multiple of num_kv_heads
             self.num_kv_heads = 1
             self.kv_head_start = tp.rank // (tp.size // num_kv_heads)
         self.head_dim = head_dim

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from models import gemv, ops
-from models.config import ModelConfig
+from models.config import ModelConfig, tp_problem
 from models.context import get_ctx
 from models.layers import (
     MergedColumnParallelLinear,
@@ -15,7 +15,6 @@ from models.layers import (
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
-    divide,
     load_per_tensor_scale,
     new_param,
 )
@@ -73,7 +72,6 @@ class LlamaMLP(nn.Module):
         if cfg.fp8 and kernels.silu_and_mul_quantize is not None and get_tp().size == 1:
             self.silu_and_mul = kernels.silu_and_mul_quantize
         size = cfg.intermediate_size
-        divide(size, get_tp().size, "intermediate_size")  # an error naming the config key, not a layer's features
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], cfg.mlp_bias, kernels.linear,
                                                        cfg.fp8)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias, kernels.linear, cfg.fp8)
@@ -143,6 +141,9 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, kernels: Kernels = TORCH_KERNELS) -> None:
         super().__init__()
+        problem = tp_problem(cfg, get_tp().size)  # one error naming the config key, before any layer is built
+        if problem:
+            raise ValueError(problem)
         self.config = cfg
         self.model = LlamaModel(cfg, kernels)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, kernels.linear)

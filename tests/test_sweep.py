@@ -125,6 +125,22 @@ def test_the_plot_draws_one_line_per_value_of_the_other_keys(tmp_path):
     assert path is not None and path.read_bytes().startswith(b"\x89PNG")
 
 
+def test_collected_metrics_keep_their_digits_and_a_misspelt_one_is_named(rows, tmp_path, caplog):
+    file = write_sweep(tmp_path / "sweep.yaml", tmp_path / "model", rows, grid={"sampling.temperature": [0.0, 0.5]},
+                       metrics=["latency_s.p50", "latncy_s.p50"])
+    runs = plan_runs(load_sweep_file(file))
+    for run in runs:
+        run.paths.metrics.parent.mkdir(parents=True)
+        run.paths.metrics.write_text(json.dumps({"latency_s": {"p50": 0.123456789, "p90": 0.5}}))
+    with caplog.at_level("WARNING"):
+        assert sweep.main(["--sweep-file", str(file), "--collect"]) == 0
+    assert [r["latency_s.p50"] for r in results(tmp_path / "out")] == ["0.123456789"] * 2  # as measured
+    assert "| 0.123 |" in (tmp_path / "out" / "results.md").read_text()  # the table for reading rounds
+    warned = [r.getMessage() for r in caplog.records if "latncy_s.p50" in r.getMessage()]
+    assert warned == ["metric 'latncy_s.p50' is in no run's metrics.json, so its column is empty; did you mean "
+                      "'latency_s.p50'?"]
+
+
 def test_a_rerun_skips_every_finished_run(model_dir, rows, tmp_path):
     file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, grid={"sampling.temperature": [0.0, 0.5]})
     assert sweep.main(["--sweep-file", str(file)]) == 0
@@ -213,7 +229,9 @@ def test_runs_that_differ_only_in_sampling_load_the_model_once_with_the_same_row
 
 
 def test_a_failed_run_is_recorded_and_the_sweep_goes_on(model_dir, rows, tmp_path, capsys):
-    missing = tmp_path / "no_such_model"
+    missing = tmp_path / "no_such_model"  # its config passes the check at start; it has no weights to load
+    missing.mkdir()
+    shutil.copy(model_dir / "config.json", missing / "config.json")
     file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, name="{model.path.name}",
                        grid={"model.path": [str(missing), str(model_dir)]})
     assert sweep.main(["--sweep-file", str(file)]) == 1
@@ -334,6 +352,33 @@ def test_the_example_sweep_is_valid():
     assert len(runs) == 4 and len({r.engine_key() for r in runs}) == 1
 
 
+def test_slurm_flag_checks_the_model_splits_over_the_templates_gpus(default_model_dir, capsys, monkeypatch):
+    """SmolLM2's 9 heads do not split over the template's 8 GPUs: refused at submission, not in every task."""
+    monkeypatch.chdir(REPO)
+    example = ["--sweep-file", "configs/sweeps/example.yaml", "--slurm"]
+    assert sweep.main(example) == 2
+    err = capsys.readouterr().err
+    assert "num_attention_heads=9 is not divisible by tensor-parallel size 8" in err
+    assert f"an array task runs {sweep.template_gpus()} ranks" in err and sweep.template_gpus() == 8
+    assert sweep.main([*example, "parallel.tp_size=1"]) == 0  # 8 data-parallel replicas of the model
+    assert sweep.main([*example, "--nproc-per-node", "3"]) == 0  # 9 heads over 3 ranks
+    assert sweep.main([*example, "--nproc-per-node", "2"]) == 2
+    assert "num_attention_heads=9 is not divisible by tensor-parallel size 2" in capsys.readouterr().err
+
+
+def test_a_sweep_is_refused_at_start_for_a_missing_model_or_a_fixed_output_file(model_dir, rows, tmp_path, capsys):
+    missing = write_sweep(tmp_path / "a" / "sweep.yaml", model_dir, rows, grid={"model.path": [str(model_dir),
+                                                                                               str(tmp_path / "no")]})
+    assert sweep.main(["--sweep-file", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'no'}' is not a local directory with config.json" in err, err
+    fixed = write_sweep(tmp_path / "b" / "sweep.yaml", model_dir, rows, grid={"sampling.temperature": [0.0, 0.5]},
+                        overrides=[*base_overrides(model_dir, rows), "job.output=mine.jsonl"])
+    assert sweep.main(["--sweep-file", str(fixed)]) == 2
+    assert "job.output=mine.jsonl is set, but every run writes its own output file" in capsys.readouterr().err
+    assert not (tmp_path / "a" / "out").exists() and not (tmp_path / "b" / "out").exists()
+
+
 def test_no_sweep_flag_is_read_by_torchrun_as_one_of_its_own():
     from torch.distributed.run import get_args_parser
 
@@ -376,7 +421,7 @@ def test_two_ranks_walk_the_same_runs_across_tp_layouts(model_dir, rows, tmp_pat
     assert "4 done, 0 skipped, 0 failed, 0 interrupted; 2 model loads" in proc.stdout  # printed by rank 0
     table = results(tmp_path / "two" / "out")
     assert [r["status"] for r in table] == ["done"] * 4 and {r["rows"] for r in table} == {str(ROWS)}
-    for run in plan_runs(load_sweep_file(file), world_size=2):
+    for run in plan_runs(load_sweep_file(file)):
         metrics = json.loads(run.paths.metrics.read_text())
         tp = run.cfg.parallel.tp_size
         assert (metrics["tp_size"], metrics["dp_size"]) == (tp, 2 // tp)
@@ -447,11 +492,12 @@ def test_sweep_sbatch_syntax_and_dry_run(tmp_path):
 
 
 @needs_bash
-def test_slurm_flag_prints_the_line_list_prints_and_the_template_runs_it(rows, tmp_path, capsys, monkeypatch):
+def test_slurm_flag_prints_the_line_list_prints_and_the_template_runs_it(model_dir, rows, tmp_path, capsys, monkeypatch):
     """--slurm validates and submits nothing; its variables are the ones the template reads (DRY_RUN=1 shows what
     array task 3 would run)."""
     monkeypatch.chdir(REPO)
-    file = write_sweep(tmp_path / "sweep.yaml", tmp_path / "model", rows, grid={"sampling.temperature": [0.0, 0.5, 0.9]})
+    file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, grid={"sampling.temperature": [0.0, 0.5, 0.9]},
+                       overrides=[*base_overrides(model_dir, rows), "parallel.tp_size=1"])
     argv = ["--sweep-file", str(file), "sampling.max_new_tokens=3", "sampling.stop=[a,b]"]
     assert sweep.main([*argv, "--slurm"]) == 0
     printed = capsys.readouterr()
@@ -474,8 +520,8 @@ def test_slurm_flag_prints_the_line_list_prints_and_the_template_runs_it(rows, t
                                "'sampling.stop=[a,b]'\n")
 
 
-def test_slurm_flag_from_another_directory_submits_from_the_repo(rows, tmp_path, capsys, monkeypatch):
-    write_sweep(tmp_path / "sweep.yaml", tmp_path / "model", rows, grid={"sampling.temperature": [0.0, 0.5]})
+def test_slurm_flag_from_another_directory_submits_from_the_repo(model_dir, rows, tmp_path, capsys, monkeypatch):
+    write_sweep(tmp_path / "sweep.yaml", model_dir, rows, grid={"sampling.temperature": [0.0, 0.5]})
     monkeypatch.chdir(tmp_path)
     assert sweep.main(["--sweep-file", "sweep.yaml", "--nproc-per-node", "2", "--only-run", "2", "--slurm"]) == 0
     assert capsys.readouterr().out == (f"cd {shlex.quote(str(REPO))} && SWEEP={tmp_path.resolve() / 'sweep.yaml'} "
@@ -491,9 +537,10 @@ def test_slurm_flag_from_another_directory_submits_from_the_repo(rows, tmp_path,
     (["--only-run", "4"], "--only-run 4: the sweep has runs 1 to 2"),
     (["sampling.temprature=0.5"], "unknown config key 'sampling.temprature'"),
 ], ids=["axes", "config", "whitespace", "nproc-0", "tp-layout", "only-run", "bad-key"])
-def test_slurm_flag_refuses_what_the_array_tasks_would_not_run(rows, tmp_path, capsys, monkeypatch, extra, message):
+def test_slurm_flag_refuses_what_the_array_tasks_would_not_run(model_dir, rows, tmp_path, capsys, monkeypatch, extra, message):
     monkeypatch.chdir(REPO)
-    file = write_sweep(tmp_path / "sweep.yaml", tmp_path / "model", rows, grid={"sampling.temperature": [0.0, 0.5]})
+    file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, grid={"sampling.temperature": [0.0, 0.5]},
+                       overrides=[*base_overrides(model_dir, rows), "parallel.tp_size=1"])
     assert sweep.main(["--sweep-file", str(file), "--slurm", *extra]) == 2
     printed = capsys.readouterr()
     assert message in printed.err and printed.out == ""
@@ -611,7 +658,7 @@ def test_live_slurm_a_preempted_array_task_requeues_and_completes(request, tmp_p
     warned = next((t for t, name in tasks.items() if job(env, name)["JobId"] == array), None)
     assert warned is not None, [job(env, name) for name in tasks.values()]
     other = 3 - warned
-    runs = plan_runs(load_sweep_file(file), world_size=None)
+    runs = plan_runs(load_sweep_file(file))
     output = runs[warned - 1].paths.output
     wait_until(lambda: output.exists() and output.read_text().strip(), 180, f"run {warned}'s first row")
     warn_batch(env, tasks[warned])  # the time-limit warning to this task only

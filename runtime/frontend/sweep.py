@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shlex
 import sys
 import time
@@ -30,8 +31,10 @@ from runtime.frontend.sweep_plan import (
     INTERRUPTED,
     PENDING,
     RUNNING,
+    LayoutError,
     Run,
     Sweep,
+    check_layout,
     check_resumable,
     load_sweep_file,
     plan_runs,
@@ -104,12 +107,12 @@ def main(argv: list[str], script: str | None = None, configure_threads: Callable
     if only_files:
         world = None
     elif args.slurm:  # a task's ranks: --nproc-per-node, else one per GPU of the template
-        world = args.nproc_per_node if args.nproc_per_node and args.nproc_per_node > 0 else None
+        world = args.nproc_per_node if args.nproc_per_node is not None else template_gpus()
     else:
         world = args.nproc_per_node or int(os.environ.get("WORLD_SIZE", "1"))
     try:
         sweep = build_sweep(args)
-        runs = plan_runs(sweep, world)
+        runs = plan_runs(sweep)
         if args.only_run is not None and not 1 <= args.only_run <= len(runs):
             raise ConfigError(f"--only-run {args.only_run}: the sweep has runs 1 to {len(runs)}")
         if not args.collect:
@@ -131,6 +134,17 @@ def main(argv: list[str], script: str | None = None, configure_threads: Callable
         except ConfigError as exc:
             print(f"error: --slurm: {exc}", file=sys.stderr)
             return 2
+    if world is not None and world > 0:
+        try:
+            check_layout(runs, world, sweep.source)
+        except (ConfigError, RuntimeError) as exc:  # RuntimeError: the default model could not be prepared
+            ranks = ""
+            if isinstance(exc, LayoutError) and args.slurm and args.nproc_per_node is None:
+                ranks = (f" (an array task runs {world} ranks, one per GPU of {SBATCH_TEMPLATE}'s --gpus-per-node; "
+                         "--nproc-per-node N sets the count)")
+            print(f"error: {exc}{ranks}", file=sys.stderr)
+            return 2
+    if args.slurm:
         print(f"{sweep.source}: {len(runs)} runs are valid; nothing submitted. To submit:", file=sys.stderr)
         print(command)
         return 0
@@ -190,6 +204,12 @@ def print_plan(runs: list[Run], args: argparse.Namespace) -> None:
         print(f"as a Slurm array: {slurm_command(args, len(runs))}")
     except ConfigError as exc:
         print(f"not as a Slurm array: {exc}")
+
+
+def template_gpus() -> int | None:
+    """The template's ``#SBATCH --gpus-per-node``: an array task's ranks when NPROC_PER_NODE is unset."""
+    found = re.search(r"^#SBATCH\s+--gpus-per-node[= ](\d+)\s*$", (REPO / SBATCH_TEMPLATE).read_text(), re.MULTILINE)
+    return int(found.group(1)) if found else None
 
 
 def slurm_command(args: argparse.Namespace, runs: int) -> str:

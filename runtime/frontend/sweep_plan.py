@@ -84,6 +84,10 @@ class Run:
         """No job.input in the config: the run serves job.prompts, written to its folder as rows."""
         return Path(self.cfg.job.input) == self.dir / "input.jsonl"
 
+    @property
+    def described(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.point.items())
+
     def swept_values(self) -> dict[str, Any]:
         """Plain values (a swept list is a list, not omegaconf's ListConfig, which JSON cannot write)."""
         node = OmegaConf.structured(self.cfg)
@@ -211,7 +215,7 @@ def _plot(value: Any, src: str) -> PlotSpec:
     return PlotSpec(x=value.get("x"), y=value.get("y", "tokens_per_s"))
 
 
-def plan_runs(sweep: Sweep, world_size: int | None = 1) -> list[Run]:
+def plan_runs(sweep: Sweep) -> list[Run]:
     """Every run, its config validated; raises ConfigError naming the first problem."""
     _check_axes(sweep)
     default_base = [DEFAULT_BASE] if DEFAULT_BASE.is_file() else []
@@ -222,7 +226,6 @@ def plan_runs(sweep: Sweep, world_size: int | None = 1) -> list[Run]:
             cfg = load_config(sweep.base or default_base, [*sweep.overrides, *(f"{k}={v}" for k, v in point.items())])
         except ConfigError as exc:
             raise ConfigError(f"{sweep.source}: run {described}: {str(exc).splitlines()[0]}") from None
-        _check_layout(cfg, world_size, f"{sweep.source}: run {described}")
         runs.append(Run(0, "", point, cfg, sweep.out))
     if sweep.reuse_engine:
         first_seen: dict[str, int] = {}
@@ -256,17 +259,14 @@ def _check_axes(sweep: Sweep) -> None:
         raise ConfigError(f"{sweep.source}: {fixed} cannot be swept: every run writes its own files in its folder")
 
 
-def _check_layout(cfg: RuntimeConfig, world_size: int | None, where: str) -> None:
-    if world_size is None:
-        return
-    tp = cfg.parallel.tp_size or world_size
-    if world_size % tp:
-        raise ConfigError(f"{where}: parallel.tp_size={cfg.parallel.tp_size} does not divide the world size "
-                          f"{world_size} (the world is DP replicas x TP ranks)")
-
-
 def _place(run: Run, source: str) -> None:
     job = run.cfg.job
+    fixed = {key: getattr(job, key.split(".")[1]) for key in PER_RUN_KEYS}
+    fixed = {key: value for key, value in fixed.items() if value is not None}
+    if fixed:
+        key, value = next(iter(fixed.items()))
+        raise ConfigError(f"{source}: {key}={value} is set, but every run writes its own {key.split('.')[1]} file in "
+                          f"its folder ({run.dir}); leave {', '.join(PER_RUN_KEYS)} out of a sweep")
     if job.input is None:
         job.input = str(run.dir / "input.jsonl")
     elif not Path(job.input).exists():
@@ -291,6 +291,33 @@ def _check_results_spec(sweep: Sweep) -> None:
     if sweep.plot.y not in columns:
         raise ConfigError(f"{sweep.source}: plot y '{sweep.plot.y}' is not a results column ({', '.join(columns)}); "
                           "name a metrics.json key under 'metrics' to plot it")
+
+
+class LayoutError(ConfigError):
+    """The world or a run's model does not split into the run's TP groups."""
+
+
+def check_layout(runs: list[Run], world_size: int, source: str) -> None:
+    """Every run's TP size divides the world, and its model is there, is supported and splits over its TP group: a
+    sweep, or a Slurm array, is refused at the start rather than failing run by run. Prepares the default model
+    when a run uses it (so array tasks on nodes without internet find it ready)."""
+    from models.config import ModelConfig, tp_problem
+    from models.weights.default_model import resolve_model_path
+
+    configs: dict[str, ModelConfig] = {}
+    for run in runs:
+        tp, path = run.cfg.parallel.tp_size or world_size, run.cfg.model.path
+        if world_size % tp:
+            raise LayoutError(f"{source}: run {run.described}: parallel.tp_size={tp} does not divide the world size "
+                              f"{world_size} (the world is DP replicas x TP ranks)")
+        try:
+            if path not in configs:
+                configs[path] = ModelConfig.from_dir(resolve_model_path(path))
+        except (FileNotFoundError, ValueError) as exc:
+            raise ConfigError(f"{source}: run {run.described}: {exc}") from None
+        problem = tp_problem(configs[path], tp)
+        if problem:
+            raise LayoutError(f"{source}: run {run.described}: {problem}")
 
 
 def check_resumable(run: Run) -> None:

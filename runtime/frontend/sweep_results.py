@@ -7,6 +7,7 @@ Slurm array task assemble the same table the sweep writes at its end.
 from __future__ import annotations
 
 import csv
+import difflib
 import io
 import json
 import logging
@@ -14,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from runtime.config import flatten
 from runtime.frontend import openai_api
 from runtime.frontend.job_files import normalize_id, whole_lines
 from runtime.frontend.sweep_plan import PENDING, RESULT_COLUMNS, Run, Sweep, write_atomic
@@ -55,6 +57,7 @@ def columns(sweep: Sweep) -> list[str]:
 def write_results(sweep: Sweep, runs: list[Run]) -> list[Path]:
     """results.csv, results.md and (with matplotlib) results.png in the sweep's folder; returns what was written."""
     rows = [result_row(sweep, run) for run in runs]
+    warn_unknown_metrics(sweep, runs)
     names = columns(sweep)
     sweep.out.mkdir(parents=True, exist_ok=True)
     csv_path, md_path = sweep.out / "results.csv", sweep.out / "results.md"
@@ -65,12 +68,26 @@ def write_results(sweep: Sweep, runs: list[Run]) -> list[Path]:
     return written + ([png] if png else [])
 
 
+def warn_unknown_metrics(sweep: Sweep, runs: list[Run]) -> None:
+    """A ``metrics`` name that no run's metrics.json has is a typo, not a value yet to come: say so, once."""
+    written = [m for m in (_read_json(run.paths.metrics) for run in runs) if m]
+    if not written:
+        return
+    keys = sorted({k for m in written for k in flatten(m)})
+    for name in sweep.metrics:
+        if all(_dotted(m, name) is None for m in written):
+            close = difflib.get_close_matches(name, keys, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"its keys: {', '.join(keys)}"
+            log.warning("metric '%s' is in no run's metrics.json, so its column is empty; %s", name, hint)
+
+
 def to_csv(rows: list[dict[str, Any]], names: list[str]) -> str:
+    """Every value as measured (the Markdown table rounds)."""
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=names, lineterminator="\n")
     writer.writeheader()
     for row in rows:
-        writer.writerow({k: _cell(row.get(k)) for k in names})
+        writer.writerow({k: _cell(row.get(k), exact=True) for k in names})
     return buf.getvalue()
 
 
@@ -164,10 +181,10 @@ def _dotted(data: Any, key: str) -> Any:
     return data
 
 
-def _cell(value: Any) -> str:
+def _cell(value: Any, exact: bool = False) -> str:
     if value is None:
         return ""
-    if isinstance(value, float):
+    if isinstance(value, float) and not exact:
         return f"{value:.4g}" if abs(value) < 1e-3 and value else f"{round(value, 3)}"
     if isinstance(value, (dict, list)):
         return json.dumps(value)
