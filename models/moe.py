@@ -11,7 +11,6 @@ import re
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models import fused_moe
@@ -105,23 +104,25 @@ class SparseMoE(nn.Module):
         self.top_k = cfg.experts_per_token
         self.renormalize = cfg.norm_topk_prob
         self.gate = Router(cfg.num_experts, cfg.hidden_size)
-        key = "intermediate_size" if cfg.architecture == "MixtralForCausalLM" else "moe_intermediate_size"
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, key)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_width_key)
         self.silu_and_mul = kernels.silu_and_mul
         self.linear = kernels.linear  # batch-invariant under engine.deterministic
         self.fused = kernels.fused_moe
+        # As transformers: Qwen3-MoE rounds the routing weights to the model dtype, Mixtral scales each expert's
+        # output by the float32 weights and rounds only the product.
+        self.float32_weights = cfg.architecture == "MixtralForCausalLM"
         if COUNT_TOUCHED_EXPERTS:
             self.register_buffer("touched", torch.zeros((), dtype=torch.int64), persistent=False)
         else:
             self.touched = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [tokens, k] in x's dtype, expert ids [tokens, k])."""
+        """(weights [tokens, k], in float32 or x's dtype as the family rounds them; expert ids [tokens, k])."""
         probs = torch.softmax(self.linear(x, self.gate.weight).float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), ids
+        return (weights if self.float32_weights else weights.to(x.dtype)), ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
@@ -146,7 +147,8 @@ class SparseMoE(nn.Module):
             rows = tokens[start : start + count]
             picked = order[start : start + count]
             start += count
-            hidden = self.silu_and_mul(F.linear(x[rows], self.experts.w13[expert]))
-            y = F.linear(hidden, self.experts.w2[expert]) * weights.flatten()[picked, None]
-            out.index_add_(0, rows, y)
+            # self.linear: an expert's rows depend on the batch, so under engine.deterministic so may F.linear's bits.
+            hidden = self.silu_and_mul(self.linear(x[rows], self.experts.w13[expert]))
+            y = self.linear(hidden, self.experts.w2[expert]) * weights.flatten()[picked, None]
+            out.index_add_(0, rows, y.to(out.dtype))
         return out

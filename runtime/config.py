@@ -66,6 +66,7 @@ class EngineSection:
     fused_gemv: str = "auto"
     seed: int = 0
     # Batch-invariant kernels: a row's tokens are the same bits whatever the batch, DP size, order or resume
+    # (mixture-of-experts models run their experts one by one, without CUDA graphs: much slower)
     deterministic: bool = False
 
 
@@ -101,8 +102,9 @@ class JobSection:
     output: str | None = None
     format: str = "auto"  # a JSONL input's rows: auto (from the first row) | native | openai
     columns: JobColumnsSection = field(default_factory=JobColumnsSection)
-    errors: str | None = None  # JSONL rows that could not be served (default: <output>.errors.jsonl)
-    metrics: str | None = None  # JSON summary at the end (default: <output>.metrics.json)
+    # JSONL rows that could not be served (default: out.jsonl -> out.errors.jsonl, out.parquet -> out.parquet.errors.jsonl)
+    errors: str | None = None
+    metrics: str | None = None  # JSON summary at the end (default: out.metrics.json, as errors)
     chat_template: bool = True  # apply the model's chat template to plain-string prompts
     fsync_every_s: float = 5.0  # how often finished rows are forced to disk (Parquet: written out)
     row_group_rows: int = 10000  # Parquet output: rows per row group
@@ -125,7 +127,7 @@ class ParallelSection:
 
 @dataclass
 class ServerSection:
-    """``python launch.py serve``: the OpenAI-compatible HTTP server on each replica's first rank."""
+    """``python launch.py serve``: the OpenAI-compatible HTTP server on the first rank of its one TP group."""
 
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (the address is printed)

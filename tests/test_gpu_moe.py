@@ -113,3 +113,18 @@ def test_moe_bf16_logits_against_hf_float32(name, tmp_path):
             err = relative_error(logits[i][starts[i]:], ref)
             print(f"{name} len {PROMPT_LENS[i]} {mode}: {err:.2e} (budget {budget:.2e})")
             assert err <= budget, (name, PROMPT_LENS[i], mode)
+
+
+def test_deterministic_moe_logits_are_the_same_alone_and_batched(tmp_path):
+    """engine.deterministic: the experts run one by one through the batch-invariant linear (the fused kernel's
+    tiles follow the batch), so a prompt's bf16 logits are the same bits alone and among others."""
+    path = save_random_hf_model(hf_config("qwen3-30b-a3b"), tmp_path / "moe")
+    llm = LLM(str(path), overrides=[*OVERRIDES, "engine.deterministic=true"])
+    assert not llm.engine.kernels.fused_moe
+    gen = torch.Generator().manual_seed(5)
+    vocab = llm.engine.model_config.vocab_size
+    seqs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    together = prefill_logits(llm.engine, seqs, decode_tail=3)
+    for seq, batched in zip(seqs, together):
+        assert torch.equal(prefill_logits(llm.engine, [seq], decode_tail=3)[0], batched)
+    llm.shutdown()

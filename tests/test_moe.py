@@ -94,6 +94,45 @@ def test_logits_match_hf(moe_dir):
         assert relative_error(o, r) <= 1e-5, name
 
 
+def test_deterministic_logits_are_the_same_alone_and_batched(moe_dir):
+    """engine.deterministic: each expert's rows depend on the batch's routing, so its GEMMs must be invariant."""
+    name, path = moe_dir
+    engine = make_engine(path, "engine.deterministic=true")
+    prompts = _prompts(1, (5, 23, 70, 40))
+    together = prefill_logits(engine, prompts)
+    for prompt, batched in zip(prompts, together):
+        assert torch.equal(prefill_logits(engine, [prompt])[0], batched), name
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_the_block_rounds_routing_weights_as_hf_does_in_bf16(name):
+    """Qwen3-MoE rounds its routing weights to bf16 before scaling the experts' outputs, Mixtral scales in
+    float32 and rounds the product: each family's block equals HF's bit for bit."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from models.config import ModelConfig
+    from models.moe import SparseMoE
+    from models.ops import TORCH_KERNELS
+
+    cfg = _families()[name][1]
+    torch.manual_seed(0)
+    # Built alone, the block runs its experts one by one ("eager"), as ours do on CPU.
+    hf = (MixtralSparseMoeBlock if name == "mixtral" else Qwen3MoeSparseMoeBlock)(cfg)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.05)
+        hf.gate.weight.normal_(0, 0.2)
+    hf = hf.to(torch.bfloat16)
+    ours = SparseMoE(ModelConfig.from_dict(cfg.to_dict()), TORCH_KERNELS).to(torch.bfloat16)
+    with torch.no_grad():
+        ours.gate.weight.copy_(hf.gate.weight)
+        ours.experts.w13.copy_(hf.experts.gate_up_proj)
+        ours.experts.w2.copy_(hf.experts.down_proj)
+        x = torch.randn(512, cfg.hidden_size).to(torch.bfloat16)
+        assert torch.equal(ours(x), hf(x[None])[0])
+
+
 def test_greedy_generation_matches_hf(moe_dir):
     name, path = moe_dir
     prompts = _prompts(2, (3, 17, 45, 8, 30, 11, 5, 60))

@@ -117,7 +117,9 @@ class Engine:
         fused = cfg.engine.fused_gemv != "never" and not cfg.engine.deterministic
         if fused and triton_gpu and self.tp_size == 1 and cfg.engine.cuda_graph_max_bs > 0:
             kernels = dataclasses.replace(kernels, fused_gemv=True)
-        if triton_gpu and model_config.is_moe:
+        # The fused experts' tiles follow the batch's tokens per expert, so their bits may too: deterministic runs
+        # take the experts one by one through the batch-invariant linear (eager: their sizes are on the host).
+        if triton_gpu and model_config.is_moe and not cfg.engine.deterministic:
             kernels = dataclasses.replace(kernels, fused_moe=True)
         if cfg.engine.deterministic:
             kernels = dataclasses.replace(kernels, linear=self._invariant_linear(on_gpu))
@@ -205,7 +207,7 @@ class Engine:
         return self.cfg.cache.cpu_memory_bytes - placed_bytes
 
     def _determine_num_pages(self, free_before_local: int) -> int:
-        min_before, max_before = agree_on_memory(free_before_local)
+        min_before, max_before, min_after = agree_on_memory(free_before_local, self._free_memory(self.weight_bytes))
         margin = self.cfg.parallel.memory_imbalance_bytes
         if max_before - min_before > margin:
             raise RuntimeError(
@@ -213,7 +215,6 @@ class Engine:
                 f"(min {min_before / 2**30:.2f}, max {max_before / 2**30:.2f}), more than "
                 f"parallel.memory_imbalance_bytes={margin}; is another job using some of the GPUs?"
             )
-        min_after, _ = agree_on_memory(self._free_memory(self.weight_bytes))
         model_bytes = min_before - min_after
         local_heads = self.model.model.layers[0].self_attn.num_kv_heads
         per_page = page_bytes(self.model_config.num_layers, local_heads, self.model_config.head_dim, self.page_size,
