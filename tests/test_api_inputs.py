@@ -57,6 +57,8 @@ def test_overrides_apply_on_top_of_a_given_config_which_is_left_as_it_was(tiny_l
     assert llm.engine.page_size == 8 and llm.cfg.model.path == str(tiny_llama_dir)
     assert cfg.cache.page_size != 8 and cfg.model.path != str(tiny_llama_dir)
     llm.shutdown()
+    with pytest.raises(RuntimeError, match="this LLM was shut down; create a new LLM"):
+        llm.generate([[1, 2, 3]])
     with pytest.raises(ConfigError, match="unknown config key 'cache.page_sise'; did you mean 'cache.page_size'"):
         LLM(str(tiny_llama_dir), config=cfg, overrides=["cache.page_sise=8"])
     with pytest.raises(ConfigError, match="a list of 'key=value' strings, not one string"):
@@ -109,3 +111,21 @@ def test_malformed_token_id_prompts_fail_alone_with_the_reason(tiny_llm):
     assert "a list of token ids (int), not a list of bool, int" in errors[3]  # a bool is not a token id
     assert "not a list of float, int" in errors[4]
     assert errors[5] is None and outs[5].completion_tokens == 2
+
+
+def test_admit_refuses_a_tokenized_request_before_it_is_queued(tiny_llm):
+    """The OpenAI batch job's context check: a refused row is never prefilled."""
+    seen: list[tuple[object, int]] = []
+
+    def admit(key: object, req: Req) -> None:
+        seen.append((key, req.prompt_len))
+        if key == "long":
+            raise ValueError(f"{req.prompt_len} prompt tokens is too many")
+
+    greedy = SamplingParams(temperature=0, max_new_tokens=2)
+    stats = tiny_llm.scheduler.stats
+    before = stats.prefill_tokens + stats.cached_tokens
+    outs = tiny_llm.run([("long", [41] * 9, greedy), ("short", [42, 43], greedy)], admit=admit)
+    assert seen == [("long", 9), ("short", 2)]
+    assert outs[0].error == "9 prompt tokens is too many" and outs[1].error is None and outs[1].completion_tokens == 2
+    assert stats.prefill_tokens + stats.cached_tokens - before == 2  # the short prompt only

@@ -267,11 +267,6 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: Todo, out_format:
             record_error(row, output.error)
             return
         if out_format == "openai":
-            try:  # as OpenAI refuses it; the prompt's length is known once the run tokenized it
-                openai_api.check_context(row.request, output.prompt_tokens, llm.engine.max_seq_len)
-            except openai_api.RequestError as exc:
-                record_error(row, str(exc), exc.code)
-                return
             body = openai_api.response_body(row.request, output, tokens, model_name, int(time.time()), row.key)
             outputs.write(openai_api.result_line(row.id, row.key, body))
         else:
@@ -300,20 +295,21 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: Todo, out_format:
             bar.refresh()
         items = []
         for row in rows:
-            too_long = row.request is not None and (row.request.max_tokens or 0) >= llm.engine.max_seq_len
-            if too_long:  # refused whatever the prompt, so not served first
-                record_error(row, f"max_tokens={row.request.max_tokens} leaves no room for a prompt in the maximum "
-                                  f"context length of {llm.engine.max_seq_len} tokens (model.max_seq_len)",
-                             "context_length_exceeded")
-            elif row.error is not None:
+            if row.error is not None:
                 record_error(row, row.error)
             else:
                 claimed[row.key] = row, time.perf_counter()
                 items.append((row.key, row.prompt, row.sampling))
         return items
 
+    def fits(key: str, req: Any) -> None:
+        """As OpenAI refuses it: a length asked for must fit beside the prompt, checked once it is tokenized."""
+        row = claimed[key][0]
+        if row.request is not None:
+            openai_api.check_context(row.request, req.prompt_len, llm.engine.max_seq_len)
+
     try:
-        llm.run(take, on_result=on_result)
+        llm.run(take, on_result=on_result, admit=fits)
     finally:
         outputs.close()
         errors.close()

@@ -177,20 +177,27 @@ class LLM:
         return self.generate(list(conversations), sampling_params)
 
     def run(
-        self, items: Sequence[Item] | ItemSource, on_result=None, on_batch=None  # noqa: ANN001
+        self, items: Sequence[Item] | ItemSource, on_result=None, on_batch=None,  # noqa: ANN001
+        admit: Callable[[Any, Req], None] | None = None,
     ) -> list[RequestOutput]:
         """Serve (key, prompt, params) items; ``on_result(key, output)`` fires as each one completes.
 
         ``items`` is a list, or a source ``source(n)`` returning up to ``n`` more items ([] for none now, None at
-        the end), so DP replicas take rows as they have room.
+        the end), so DP replicas take rows as they have room. ``admit(key, request)`` may refuse a tokenized
+        request before it is queued by raising ValueError; its message is the item's error.
         """
+        if self._closed:  # its workers have left and its CUDA graphs are freed
+            raise RuntimeError("this LLM was shut down; create a new LLM to generate")
         results = Results(self._decode, on_result)
 
         def submit(new_items: Sequence[Item]) -> None:
             for key, prompt, params in new_items:
                 position = results.new_position(key)
                 try:
-                    self._queue(self.make_request(prompt, params, key), position)
+                    req = self.make_request(prompt, params, key)
+                    if admit is not None:
+                        admit(key, req)
+                    self._queue(req, position)
                 except Exception as exc:  # noqa: BLE001 - one request's failure (a template's TemplateError...) is its own
                     results.fail(position, str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}")
 

@@ -406,7 +406,8 @@ def error_line(custom_id: str | None, key: str, code: str, message: str) -> dict
 
 
 def engine_error_code(message: str) -> str:
-    return "context_length_exceeded" if "maximum sequence length" in message else "invalid_request"
+    too_long = "maximum sequence length" in message or "maximum context length" in message
+    return "context_length_exceeded" if too_long else "invalid_request"
 
 
 def is_served(line: dict[str, Any]) -> bool:
