@@ -82,9 +82,10 @@ def shutdown_distributed() -> None:
     set_tp(TPInfo())
 
 
-def agree_on_memory(free_bytes: int) -> tuple[int, int]:
-    """(min, max) of a number over all ranks, in one all_reduce(MIN) of [free, -free]."""
-    t = torch.tensor([free_bytes, -free_bytes], dtype=torch.int64)
+def agree_on_memory(free_before: int, free_after: int) -> tuple[int, int, int]:
+    """The min and max over all ranks of the free memory before the model loaded, and the min after it, in one
+    all_reduce(MIN) of [before, -before, after]."""
+    t = torch.tensor([free_before, -free_before, free_after], dtype=torch.int64)
     if get_tp().size > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=get_cpu_group())
-    return int(t[0]), -int(t[1])
+    return int(t[0]), -int(t[1]), int(t[2])

@@ -121,11 +121,13 @@ def memory_agreement(rank: int, model_dir: str) -> dict:
 
     dist.all_reduce = counting
     try:
-        low, high = agree_on_memory([5, 9][rank] * 2**30)
+        low, high, after = agree_on_memory([5, 9][rank] * 2**30, [4, 2][rank] * 2**30)
         agreement_calls = len(calls)
         budget = [200, 300][rank] * 2**20  # each rank "has" different free memory
+        calls.clear()
         engine = make_engine(model_dir, f"cache.cpu_memory_bytes={budget}", "scheduler.max_running_requests=256",
                              "model.max_seq_len=2048", "parallel.memory_imbalance_bytes=200000000")
+        engine_min_calls = calls.count(dist.ReduceOp.MIN)
         try:
             make_engine(model_dir, f"cache.cpu_memory_bytes={budget}", "parallel.memory_imbalance_bytes=1000")
             refused = ""
@@ -134,8 +136,8 @@ def memory_agreement(rank: int, model_dir: str) -> dict:
     finally:
         dist.all_reduce = original
     shard_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    return {"min": low, "max": high, "calls": agreement_calls, "num_pages": engine.num_pages, "refused": refused,
-            "shard_bytes": shard_bytes}
+    return {"min": low, "max": high, "after": after, "calls": agreement_calls, "engine_min_calls": engine_min_calls,
+            "num_pages": engine.num_pages, "refused": refused, "shard_bytes": shard_bytes}
 
 
 @pytest.mark.slow  # spawns ranks
@@ -145,8 +147,8 @@ def test_ranks_with_different_free_memory_agree_on_pages(tp_tiny_dir):
 
     ranks = run_ranks(2, memory_agreement, tp_tiny_dir)
     for r in ranks:
-        assert (r["min"], r["max"]) == (5 * 2**30, 9 * 2**30)
-        assert r["calls"] == 1  # min and max from ONE all_reduce
+        assert (r["min"], r["max"], r["after"]) == (5 * 2**30, 9 * 2**30, 2 * 2**30)
+        assert r["calls"] == 1 and r["engine_min_calls"] == 1  # the page count from ONE all_reduce
         assert "differs across ranks" in r["refused"]
     assert ranks[0]["num_pages"] == ranks[1]["num_pages"]
     # The count follows the smaller budget and this rank's shard of the model.
