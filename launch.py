@@ -5,9 +5,10 @@
     python launch.py --nproc-per-node 3 job.input=rows.jsonl job.output=out.jsonl   # starts torchrun itself
     python launch.py --sweep-file configs/sweeps/example.yaml   # an experiment sweep (runtime/frontend/sweep.py)
     python launch.py serve server.port=8000             # the OpenAI-compatible server (runtime/frontend/server.py)
-    python launch.py --nproc-per-node 2 serve           # ... on a TP group of 2
+    python launch.py --nproc-per-node 2 serve model.path=/models/Llama-3.1-8B-Instruct   # ... on a TP group of 2
     torchrun --nproc-per-node 3 launch.py job.input=rows.jsonl job.output=out.jsonl
-    torchrun --nproc-per-node 8 launch.py parallel.tp_size=2 job.input=rows.jsonl job.output=out.jsonl  # DP 4 x TP 2
+    torchrun --nproc-per-node 8 launch.py parallel.tp_size=2 model.path=/models/Llama-3.1-8B-Instruct \
+        job.input=rows.jsonl job.output=out.jsonl   # DP 4 x TP 2 (the default model's 9 heads split over 1, 3 or 9)
 
 The first rank of each TP group runs that replica's scheduler; every other rank runs the worker loop.
 """

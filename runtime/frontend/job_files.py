@@ -129,8 +129,8 @@ def _row_settings(config_yaml: str) -> dict[str, Any]:
 
 def _beside(out: Path, suffix: str) -> Path:
     """A side file of the output: ``out.jsonl`` -> ``out<suffix>``, other names keep their whole name, so
-    outputs that differ in a last suffix never share one."""
-    return out.with_suffix(suffix) if out.suffix in (".jsonl", ".json") else out.with_name(out.name + suffix)
+    outputs that differ in a last suffix (``out.json``, ``out.parquet``) never share one."""
+    return out.with_suffix(suffix) if out.suffix == ".jsonl" else out.with_name(out.name + suffix)
 
 
 def read_rows(path: Path, defaults: SamplingParams, chat_template: bool, fmt: str = "native") -> Iterator[JobRow]:
