@@ -46,6 +46,16 @@ def test_a_signal_after_the_last_row_exits_0(tiny_llama_dir, tmp_path, monkeypat
     assert "rerun to complete" not in capsys.readouterr().err
 
 
+def test_a_signal_on_a_rerun_of_a_complete_output_exits_0(tiny_llama_dir, tmp_path, capsys):
+    """Nothing left to serve: a drain before the first refill stops no row, so no requeue is asked for."""
+    llm, drain = _job(tiny_llama_dir, tmp_path)
+    assert launch.serve(llm.cfg, llm, drain) == 0 and _done(tmp_path) == ROWS
+    again, fresh = _job(tiny_llama_dir, tmp_path)
+    fresh.request(signal.SIGTERM)
+    assert launch.serve(again.cfg, again, fresh) == 0 and _done(tmp_path) == ROWS
+    assert "rerun to complete" not in capsys.readouterr().err
+
+
 def test_a_signal_that_stops_the_refills_exits_143_and_a_rerun_completes(tiny_llama_dir, tmp_path, capsys):
     llm, drain = _job(tiny_llama_dir, tmp_path)
     checks = 0

@@ -236,3 +236,28 @@ def test_a_line_that_is_not_json_says_why_once(tmp_path, line, reason):
     _write(tmp_path / "rows.jsonl", [line])
     (row,) = read_rows(tmp_path / "rows.jsonl", SamplingParams(), chat_template=False)
     assert row.error == f"line 1 is not valid JSON: {reason}"
+
+
+def test_a_native_row_may_carry_url_body_or_custom_id_keys(tmp_path):
+    """Only an OpenAI batch line keeps its prompt in a body: a row with a top-level prompt is native."""
+    from runtime.frontend.job_files import jsonl_format, read_rows
+    from runtime.sampling_params import SamplingParams
+
+    rows = tmp_path / "rows.jsonl"
+    _write(rows, [json.dumps({"id": 1, "prompt": "Summarize.", "url": "https://x", "body": "page"}).encode(),
+                  json.dumps({"id": 2, "prompt": "Hi", "custom_id": "web-2"}).encode(),
+                  json.dumps({"id": 3, "messages": [{"role": "user", "content": "Hi"}], "url": "u", "body": "b"}).encode()])
+    assert jsonl_format(rows) == "native" and jsonl_format(rows, "native") == "native"
+    assert [(r.id, r.error) for r in read_rows(rows, SamplingParams(), True, "native")] == [(1, None), (2, None),
+                                                                                            (3, None)]
+
+
+def test_a_utf8_bom_before_the_first_row_is_not_part_of_it(tmp_path):
+    from runtime.frontend.job_files import jsonl_format, read_rows
+    from runtime.sampling_params import SamplingParams
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(b"\xef\xbb\xbf" + json.dumps({"id": 1, "prompt": "Hi"}).encode() + b"\n"
+                     + json.dumps({"id": 2, "prompt": "Yo"}).encode() + b"\n")
+    assert jsonl_format(rows) == "native"
+    assert [(r.id, r.error) for r in read_rows(rows, SamplingParams(), False)] == [(1, None), (2, None)]

@@ -337,6 +337,69 @@ def test_parquet_parts_are_flushed_whole_and_merged_once(tmp_path):
     assert parquet_output.merge_parts(out, row_group_rows=100) == 0  # nothing left to merge
 
 
+@pytest.mark.parametrize("bad_id", [2**70, "\ud800x"], ids=["beyond-int64", "lone-surrogate"])
+def test_an_id_the_id_column_cannot_hold_is_that_rows_error_and_loses_no_other_row(tmp_path, bad_id):
+    out = tmp_path / "out.parquet"
+    good = [1, 3] if isinstance(bad_id, int) else ["a", "c"]
+    sink = parquet_output.ParquetSink(out, 0, parquet_output.result_schema("int" if isinstance(bad_id, int) else "str",
+                                                                           []), 100, 3600)
+    sink.write(_record(good[0]))
+    with pytest.raises(ValueError, match="Parquet"):
+        sink.write(_record(bad_id))
+    sink.write(_record(good[1]))
+    sink.close()
+    assert parquet_output.done_keys(out) == {json.dumps(g) for g in good}
+
+
+def test_parquet_rows_are_flushed_after_fsync_every_s_with_no_other_row_finishing(tmp_path):
+    out = tmp_path / "out.parquet"
+    sink = parquet_output.ParquetSink(out, 0, parquet_output.result_schema("int", []), 100, flush_every_s=0.2)
+    sink.write(_record(1))
+    sink.tick()
+    assert not part_files(out)  # younger than job.fsync_every_s: still buffered
+    time.sleep(0.3)
+    sink.tick()  # the step loop calls it every step, as a long row generates
+    assert parquet_output.done_keys(out) == {json.dumps(1)}
+
+
+def test_a_kept_column_of_another_type_is_refused_before_serving(llm, tmp_path):
+    out = tmp_path / "out.parquet"
+    pq.write_table(pa.table({"qid": [1, 2], "question": ["Say hi.", "Name a color."], "score": [10, 20]}),
+                   tmp_path / "in.parquet")
+    _job(llm, tmp_path / "in.parquet", out, id="qid", prompt="question", keep=["score"])
+    pq.write_table(pa.table({"qid": [1, 2, 3], "question": ["Say hi.", "Name a color.", "Name a fruit."],
+                             "score": [10.0, 20.0, 40.5]}), tmp_path / "in.parquet")
+    before = out.read_bytes()
+    with pytest.raises(ValueError, match="keeps columns of other types than job.input has now "
+                                         r"\(score: int64 then, double now\)"):
+        _job(llm, tmp_path / "in.parquet", out, id="qid", prompt="question", keep=["score"])
+    assert out.read_bytes() == before and not part_files(out)
+
+
+def test_an_empty_table_gives_an_empty_parquet_output_with_its_columns(llm, tmp_path):
+    pq.write_table(pa.table({"qid": pa.array([], pa.int64()), "question": pa.array([], pa.string())}),
+                   tmp_path / "empty.parquet")
+    out = tmp_path / "out.parquet"
+    m = _job(llm, tmp_path / "empty.parquet", out, id="qid", prompt="question")
+    table = pq.read_table(out)
+    assert m["completed"] == 0 and table.num_rows == 0 and table.schema.names[:3] == ["id", "text", "finish_reason"]
+
+
+def test_an_output_inside_a_folder_of_shards_is_refused(tmp_path):
+    from runtime.config import ConfigError
+    from runtime.frontend.job_files import JobPaths
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for inside in (shards / "results.parquet", shards / "sub" / "out.jsonl"):
+        paths = JobPaths(input=shards, output=inside, errors=tmp_path / "e.jsonl", metrics=tmp_path / "m.json",
+                         config=tmp_path / "c.yaml")
+        with pytest.raises(ConfigError, match=f"job.output={inside} is inside the input folder"):
+            paths.check_distinct()
+    JobPaths(input=shards, output=tmp_path / "results.parquet", errors=tmp_path / "e.jsonl",
+             metrics=tmp_path / "m.json", config=tmp_path / "c.yaml").check_distinct()
+
+
 # ---- kill -9 and rerun -------------------------------------------------------------------------------------------
 def _parquet_rows(out: Path) -> int:
     count = 0

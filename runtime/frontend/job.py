@@ -112,6 +112,10 @@ def check_parquet_columns(output: Path, source: JobInput) -> None:
     if existing is not None and existing.names != wanted:
         raise ConfigError(f"job.output={output} has columns {existing.names}; this job writes {wanted} (kept "
                           "columns come from job.columns.keep): use another job.output, or keep the same columns")
+    changed = parquet_output.kept_type_changes(existing, source.kept) if existing is not None else []
+    if changed:
+        raise ConfigError(f"job.output={output} keeps columns of other types than job.input has now "
+                          f"({'; '.join(changed)}): use another job.output, or give the input the output's types")
 
 
 def output_lock(output: Path, wait_s: float) -> OutputLock:
@@ -308,8 +312,10 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: Todo, out_format:
         if row.request is not None:
             openai_api.check_context(row.request, req.prompt_len, llm.engine.max_seq_len)
 
+    # Parquet rows wait in memory for a whole row group: each step flushes those older than job.fsync_every_s.
+    each_step = (lambda _batch: outputs.tick()) if out_format == "parquet" else None
     try:
-        llm.run(take, on_result=on_result, admit=fits)
+        llm.run(take, on_result=on_result, on_batch=each_step, admit=fits)
     finally:
         outputs.close()
         errors.close()
@@ -318,7 +324,9 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: Todo, out_format:
     first_rank = replicas.index * tp.size
     return {
         "replica": replicas.index, "ranks": list(range(first_rank, first_rank + tp.size)), **counts,
-        "busy_s": time.perf_counter() - start, "interrupted": llm.interrupted, "latencies": latencies,
+        # A drain after the last row (or on a rerun with nothing left) stopped nothing: the job is complete.
+        "interrupted": llm.interrupted and not (todo.exhausted and not claimed and replicas.claimed_all(todo.end)),
+        "busy_s": time.perf_counter() - start, "latencies": latencies,
         "read": todo.read, "already_done": todo.already_done,
     }
 

@@ -3,6 +3,7 @@ the part files of replicas r > 0 (``<output>.part-<r>``), merged at the end of a
 
 from __future__ import annotations
 
+import codecs
 import difflib
 import glob
 import json
@@ -72,6 +73,12 @@ class JobPaths:
             other = seen.setdefault(path.resolve(), key)
             if other != key:
                 raise ConfigError(f"config keys '{other}' and '{key}' name the same file ({path})")
+        if self.input.is_dir():  # a folder of shards: what the job writes there, a rerun would read as input
+            folder = self.input.resolve()
+            inside = next((k for k, p in named.items() if k != "job.input" and folder in p.resolve().parents), None)
+            if inside is not None:
+                raise ConfigError(f"{inside}={named[inside]} is inside the input folder job.input={self.input}, "
+                                  "whose files are the input's shards: write it outside that folder")
 
     def check_same_rows(self, config_yaml: str) -> None:
         """A rerun adds rows to an output only under the settings its rows were made with (the config copy
@@ -140,6 +147,8 @@ def read_rows(path: Path, defaults: SamplingParams, chat_template: bool, fmt: st
     seen: set[str] = set()
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, 1):
+            if line_no == 1:
+                raw = raw.removeprefix(codecs.BOM_UTF8)  # as some editors and Windows tools save UTF-8
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -173,9 +182,11 @@ def row_kind(obj: Any) -> str | None:
     """openai, native, or None (an error row either way)."""
     if not isinstance(obj, dict):
         return None
+    if "prompt" in obj or "messages" in obj:  # an OpenAI batch line has them in its body; a native row may
+        return "native"                        # carry url, body or custom_id keys of its own
     if "custom_id" in obj or ("url" in obj and "body" in obj):
         return "openai"
-    return "native" if {"id", "prompt", "messages"} & obj.keys() else None
+    return "native" if "id" in obj else None
 
 
 def jsonl_format(path: Path, forced: str = "auto") -> str:
@@ -185,7 +196,7 @@ def jsonl_format(path: Path, forced: str = "auto") -> str:
     with open(path, "rb") as f:
         for raw in f:
             try:
-                found = row_kind(json.loads(raw))
+                found = row_kind(json.loads(raw.removeprefix(codecs.BOM_UTF8)))
             except (ValueError, RecursionError):
                 continue
             if found is not None:

@@ -67,7 +67,7 @@ class ParquetSink:
     def __init__(self, output: Path, replica: int, schema: pa.Schema, row_group_rows: int,
                  flush_every_s: float) -> None:
         output.parent.mkdir(parents=True, exist_ok=True)
-        self.output, self.schema = output, schema
+        self.output, self.schema, self.replica = output, schema, replica
         self.prefix = f"{output.name}.part-{replica}-{time.time_ns()}-"  # never a name an earlier run used
         self.row_group_rows, self.flush_every_s = row_group_rows, flush_every_s
         self.id_is_int = pa.types.is_integer(schema.field("id").type)
@@ -76,15 +76,36 @@ class ParquetSink:
         self.flushed = 0
 
     def write(self, record: dict[str, Any]) -> None:
-        """Raises ValueError (nothing written) for an id of the other type than the output's id column."""
-        if isinstance(record["id"], int) != self.id_is_int:
-            column = "integers" if self.id_is_int else "strings"
-            raise ValueError(f"id {record['id']!r}: the Parquet output's id column holds {column} (set by the "
-                             "first row); write ids of mixed types to a JSONL output")
+        """Raises ValueError (nothing written) for an id the output's id column cannot hold: one of the other
+        type, an integer beyond int64, a string that is not valid Unicode."""
+        self._check_id(record["id"])
         if not self.rows:
             self.first_at = time.monotonic()
         self.rows.append(_parquet_row(record))
-        if len(self.rows) >= self.row_group_rows or time.monotonic() - self.first_at >= self.flush_every_s:
+        if len(self.rows) >= self.row_group_rows:
+            self.flush()
+        else:
+            self.tick()
+
+    def _check_id(self, value: Any) -> None:
+        if isinstance(value, int) != self.id_is_int:
+            column = "integers" if self.id_is_int else "strings"
+            raise ValueError(f"id {value!r}: the Parquet output's id column holds {column} (set by the first row); "
+                             "write ids of mixed types to a JSONL output")
+        if self.id_is_int and not -(2**63) <= value < 2**63:
+            raise ValueError(f"id {value}: the Parquet output's id column holds 64-bit integers; write such ids "
+                             "as strings, or to a JSONL output")
+        if not self.id_is_int:
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"id {value!r} is not valid Unicode (a lone surrogate): Parquet cannot store "
+                                 "it; write it to a JSONL output") from None
+
+    def tick(self) -> None:
+        """Flush rows that have waited job.fsync_every_s, whether or not another row finishes: a kill loses
+        only younger ones. Called every step."""
+        if self.rows and time.monotonic() - self.first_at >= self.flush_every_s:
             self.flush()
 
     def flush(self) -> None:
@@ -98,6 +119,9 @@ class ParquetSink:
 
     def close(self) -> None:
         self.flush()
+        if self.flushed == 0 and self.replica == 0 and not self.output.exists():
+            # No row at all (an empty input): the output still exists, with its columns, as a JSONL one would.
+            write_table_atomic(self.schema.empty_table(), self.output.with_name(f"{self.prefix}{0:06d}"), 1)
         sync_dir(self.output.parent)
 
 
@@ -132,6 +156,16 @@ def existing_schema(output: Path) -> pa.Schema | None:
     return None
 
 
+def _typed(schema: pa.Schema) -> str:
+    return ", ".join(f"{f.name}: {f.type}" for f in schema)
+
+
+def kept_type_changes(existing: pa.Schema, kept: list[pa.Field]) -> list[str]:
+    """Kept columns whose type differs between an output and this job's input, as 'name: then -> now'."""
+    have = {f.name: f.type for f in existing}
+    return [f"{f.name}: {have[f.name]} then, {f.type} now" for f in kept if f.name in have and have[f.name] != f.type]
+
+
 def _keys(ids: list[Any]) -> list[str]:
     return [json.dumps(normalize_id(v)) for v in ids]
 
@@ -157,9 +191,10 @@ def merge_parts(output: Path, row_group_rows: int) -> int:
         return 0
     schema = sources[0][1].schema_arrow
     for f, reader in sources[1:]:
-        if reader.schema_arrow.names != schema.names:
-            raise ValueError(f"{f} has columns {reader.schema_arrow.names}, {sources[0][0]} has {schema.names}: "
-                             "parts of one output must have the same columns (was job.columns.keep changed?)")
+        if not reader.schema_arrow.equals(schema):
+            raise ValueError(f"{f} has columns {_typed(reader.schema_arrow)}, {sources[0][0]} has {_typed(schema)}: "
+                             "parts of one output must have the same columns and types (was job.columns.keep "
+                             "changed, or a kept column's type in the input?)")
     seen: set[str] = set()
     added = 0
     tmp = output.with_name(f".{output.name}.merging")

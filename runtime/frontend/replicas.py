@@ -63,6 +63,11 @@ class Replicas:
         self._claimed = end
         return range(min(end - count, total), min(end, total))
 
+    def claimed_all(self, total: int) -> bool:
+        """Whether every replica together has claimed the todo list's ``total`` rows."""
+        claimed = self.store.add(f"{self.prefix}/next", 0) if self.store is not None else self._claimed
+        return claimed >= total
+
     def finished(self, count: int = 1) -> int:
         """Count rows finished here; returns every replica's finished rows so far (others' arrive with a delay)."""
         self._finished += count
