@@ -102,7 +102,8 @@ class JobSection:
     output: str | None = None
     format: str = "auto"  # a JSONL input's rows: auto (from the first row) | native | openai
     columns: JobColumnsSection = field(default_factory=JobColumnsSection)
-    # JSONL rows that could not be served (default: out.jsonl -> out.errors.jsonl, out.parquet -> out.parquet.errors.jsonl)
+    # JSONL rows that could not be served (default: out.jsonl or out.json -> out.errors.jsonl, out.parquet ->
+    # out.parquet.errors.jsonl)
     errors: str | None = None
     metrics: str | None = None  # JSON summary at the end (default: out.metrics.json, as errors)
     chat_template: bool = True  # apply the model's chat template to plain-string prompts

@@ -125,6 +125,16 @@ def test_the_plot_draws_one_line_per_value_of_the_other_keys(tmp_path):
     assert path is not None and path.read_bytes().startswith(b"\x89PNG")
 
 
+def test_a_rerun_checks_only_the_runs_left_to_run(model_dir, rows, tmp_path):
+    """A finished run's model may be gone since: the rerun skips that run and is not refused for it."""
+    moved = tmp_path / "model"
+    shutil.copytree(model_dir, moved)
+    file = write_sweep(tmp_path / "sweep.yaml", moved, rows, grid={"sampling.temperature": [0.0]})
+    assert sweep.main(["--sweep-file", str(file)]) == 0
+    shutil.rmtree(moved)
+    assert sweep.main(["--sweep-file", str(file)]) == 0 and sweep.last_stats.skipped == 1
+
+
 def test_collected_metrics_keep_their_digits_and_a_misspelt_one_is_named(rows, tmp_path, caplog):
     file = write_sweep(tmp_path / "sweep.yaml", tmp_path / "model", rows, grid={"sampling.temperature": [0.0, 0.5]},
                        metrics=["latency_s.p50", "latncy_s.p50"])
@@ -356,13 +366,15 @@ def test_slurm_flag_checks_the_model_splits_over_the_templates_gpus(default_mode
     """SmolLM2's 9 heads do not split over the template's 8 GPUs: refused at submission, not in every task."""
     monkeypatch.chdir(REPO)
     example = ["--sweep-file", "configs/sweeps/example.yaml", "--slurm"]
-    assert sweep.main(example) == 2
+    assert sweep.main(example) == 0  # parallel.tp_size=1: 8 data-parallel replicas of the model
+    capsys.readouterr()
+    one_group = [*example, "parallel.tp_size=0"]  # every rank of a task in one TP group
+    assert sweep.main(one_group) == 2
     err = capsys.readouterr().err
     assert "num_attention_heads=9 is not divisible by tensor-parallel size 8" in err
     assert f"an array task runs {sweep.template_gpus()} ranks" in err and sweep.template_gpus() == 8
-    assert sweep.main([*example, "parallel.tp_size=1"]) == 0  # 8 data-parallel replicas of the model
-    assert sweep.main([*example, "--nproc-per-node", "3"]) == 0  # 9 heads over 3 ranks
-    assert sweep.main([*example, "--nproc-per-node", "2"]) == 2
+    assert sweep.main([*one_group, "--nproc-per-node", "3"]) == 0  # 9 heads over 3 ranks
+    assert sweep.main([*one_group, "--nproc-per-node", "2"]) == 2
     assert "num_attention_heads=9 is not divisible by tensor-parallel size 2" in capsys.readouterr().err
 
 

@@ -385,19 +385,56 @@ def test_an_empty_table_gives_an_empty_parquet_output_with_its_columns(llm, tmp_
     assert m["completed"] == 0 and table.num_rows == 0 and table.schema.names[:3] == ["id", "text", "finish_reason"]
 
 
-def test_an_output_inside_a_folder_of_shards_is_refused(tmp_path):
+def test_an_output_a_rerun_would_read_as_a_shard_is_refused(tmp_path):
     from runtime.config import ConfigError
     from runtime.frontend.job_files import JobPaths
 
     shards = tmp_path / "shards"
     shards.mkdir()
-    for inside in (shards / "results.parquet", shards / "sub" / "out.jsonl"):
-        paths = JobPaths(input=shards, output=inside, errors=tmp_path / "e.jsonl", metrics=tmp_path / "m.json",
-                         config=tmp_path / "c.yaml")
-        with pytest.raises(ConfigError, match=f"job.output={inside} is inside the input folder"):
-            paths.check_distinct()
-    JobPaths(input=shards, output=tmp_path / "results.parquet", errors=tmp_path / "e.jsonl",
-             metrics=tmp_path / "m.json", config=tmp_path / "c.yaml").check_distinct()
+
+    def paths(output: Path) -> JobPaths:
+        return JobPaths(input=shards, output=output, errors=tmp_path / "e.jsonl", metrics=tmp_path / "m.json",
+                        config=tmp_path / "c.yaml")
+
+    for shard in (shards / "results.parquet", shards / "sub" / "out.arrow"):
+        with pytest.raises(ConfigError, match=f"job.output={shard} is in the input folder .* read it as one of"):
+            paths(shard).check_distinct()
+    for beside in (shards / "results.jsonl", shards / "_out" / "r.parquet", tmp_path / "results.parquet"):
+        paths(beside).check_distinct()  # not a shard: read by no rerun
+
+
+def test_an_empty_output_decides_no_id_type(llm, tmp_path):
+    """An empty input's output (its id column a guess) takes the first real rows' ids on the rerun."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("not json\n")
+    out = tmp_path / "out.parquet"
+    assert _job(llm, rows, out)["completed"] == 0 and pq.read_table(out).num_rows == 0
+    rows.write_text("".join(json.dumps({"id": f"q{i}", "prompt": "Say hi."}) + "\n" for i in range(3)))
+    assert _job(llm, rows, out)["completed"] == 3
+    assert pq.read_table(out).column("id").to_pylist() == ["q0", "q1", "q2"]
+
+
+def test_a_job_flushes_parquet_rows_while_a_long_row_still_generates(llm, tmp_path, monkeypatch):
+    flushed_before_the_long_row: list[int] = []
+    write = parquet_output.ParquetSink.write
+
+    def watched(self: parquet_output.ParquetSink, record: dict) -> None:
+        if record["id"] == 2:
+            flushed_before_the_long_row.append(self.flushed)
+        write(self, record)
+
+    monkeypatch.setattr(parquet_output.ParquetSink, "write", watched)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"id": 1, "prompt": "Hi", "sampling": {"max_new_tokens": 1}}) + "\n"
+                    + json.dumps({"id": 2, "prompt": "Hello", "sampling": {"max_new_tokens": 60, "ignore_eos": True}})
+                    + "\n")
+    base = llm.cfg.job
+    llm.cfg.job = replace(base, fsync_every_s=0.01)
+    try:
+        _job(llm, rows, tmp_path / "out.parquet")
+    finally:
+        llm.cfg.job = base
+    assert flushed_before_the_long_row == [1]  # row 1 reached disk during row 2's 60 steps
 
 
 # ---- kill -9 and rerun -------------------------------------------------------------------------------------------

@@ -73,12 +73,13 @@ class JobPaths:
             other = seen.setdefault(path.resolve(), key)
             if other != key:
                 raise ConfigError(f"config keys '{other}' and '{key}' name the same file ({path})")
-        if self.input.is_dir():  # a folder of shards: what the job writes there, a rerun would read as input
-            folder = self.input.resolve()
-            inside = next((k for k, p in named.items() if k != "job.input" and folder in p.resolve().parents), None)
-            if inside is not None:
-                raise ConfigError(f"{inside}={named[inside]} is inside the input folder job.input={self.input}, "
-                                  "whose files are the input's shards: write it outside that folder")
+        if self.input.is_dir():
+            from runtime.frontend.tables import read_as_shard
+
+            shard = next((k for k, p in named.items() if k != "job.input" and read_as_shard(self.input, p)), None)
+            if shard is not None:
+                raise ConfigError(f"{shard}={named[shard]} is in the input folder job.input={self.input}, where a "
+                                  "rerun would read it as one of the input's shards: write it outside that folder")
 
     def check_same_rows(self, config_yaml: str) -> None:
         """A rerun adds rows to an output only under the settings its rows were made with (the config copy
@@ -136,8 +137,8 @@ def _row_settings(config_yaml: str) -> dict[str, Any]:
 
 def _beside(out: Path, suffix: str) -> Path:
     """A side file of the output: ``out.jsonl`` -> ``out<suffix>``, other names keep their whole name, so
-    outputs that differ in a last suffix (``out.json``, ``out.parquet``) never share one."""
-    return out.with_suffix(suffix) if out.suffix == ".jsonl" else out.with_name(out.name + suffix)
+    outputs that differ in a last suffix never share one."""
+    return out.with_suffix(suffix) if out.suffix in (".jsonl", ".json") else out.with_name(out.name + suffix)
 
 
 def read_rows(path: Path, defaults: SamplingParams, chat_template: bool, fmt: str = "native") -> Iterator[JobRow]:
@@ -182,8 +183,12 @@ def row_kind(obj: Any) -> str | None:
     """openai, native, or None (an error row either way)."""
     if not isinstance(obj, dict):
         return None
-    if "prompt" in obj or "messages" in obj:  # an OpenAI batch line has them in its body; a native row may
-        return "native"                        # carry url, body or custom_id keys of its own
+    # An OpenAI batch line's request is its body object; a native row's prompt is at the top, and it may carry
+    # url, body (a page's text) or custom_id keys of its own.
+    if isinstance(obj.get("body"), dict) and ("custom_id" in obj or "url" in obj):
+        return "openai"
+    if "prompt" in obj or "messages" in obj:
+        return "native"
     if "custom_id" in obj or ("url" in obj and "body" in obj):
         return "openai"
     return "native" if "id" in obj else None

@@ -150,9 +150,11 @@ def _sources(output: Path) -> list[Path]:
 
 
 def existing_schema(output: Path) -> pa.Schema | None:
-    """The schema of the output or of its first part, when there is either."""
+    """The schema of the output or of its first part that holds rows: an empty table (an empty input's output)
+    decides nothing, since its id column's type was a guess."""
     for _, reader in _readable(_sources(output)):
-        return reader.schema_arrow
+        if reader.metadata.num_rows > 0:
+            return reader.schema_arrow
     return None
 
 
@@ -186,8 +188,18 @@ def merge_parts(output: Path, row_group_rows: int) -> int:
     parts = part_files(output)
     if not parts:
         return 0
-    sources = list(_readable(_sources(output)))
+    readable = list(_readable(_sources(output)))
+    if not readable:
+        return 0
+    # Empty tables hold no row, and their id type was a guess: rows decide; with none, the first empty one stays.
+    sources = [(path, reader) for path, reader in readable if reader.metadata.num_rows > 0]
     if not sources:
+        if readable[0][0] != output:
+            os.replace(readable[0][0], output)
+        for path, _ in readable[1:]:
+            if path != output:
+                path.unlink()
+        sync_dir(output.parent)
         return 0
     schema = sources[0][1].schema_arrow
     for f, reader in sources[1:]:
@@ -227,7 +239,7 @@ def merge_parts(output: Path, row_group_rows: int) -> int:
         os.fsync(f.fileno())
     os.replace(tmp, output)
     sync_dir(output.parent)
-    for path, _ in sources:
+    for path, _ in readable:
         if path != output:
             path.unlink()
     for part in part_files(output):

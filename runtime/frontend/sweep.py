@@ -135,8 +135,11 @@ def main(argv: list[str], script: str | None = None, configure_threads: Callable
             print(f"error: --slurm: {exc}", file=sys.stderr)
             return 2
     if world is not None and world > 0:
+        # An array's every run; here only the runs this call may run (a finished run's model may be gone).
+        todo = runs if args.slurm else [r for r in runs if (args.only_run is None or r.index == args.only_run)
+                                         and (r.record() or {}).get("status") != DONE]
         try:
-            check_layout(runs, world, sweep.source)
+            check_layout(todo, world, sweep.source)
         except (ConfigError, RuntimeError) as exc:  # RuntimeError: the default model could not be prepared
             ranks = ""
             if isinstance(exc, LayoutError) and args.slurm and args.nproc_per_node is None:
