@@ -92,7 +92,7 @@ def test_a_signal_to_the_launcher_drains_and_exits_143_without_traceback(job, tm
 
 @pytest.mark.slow
 def test_a_failing_rank_gives_its_one_line_and_code_without_traceback():
-    # The default model has 9 heads: TP=2 cannot split them (the README's first torchrun try).
+    # The default model has 9 heads: TP=2 cannot split them.
     proc = subprocess.run([sys.executable, "launch.py", "--nproc-per-node", "2", "engine.device=cpu"], cwd=REPO,
                           env=_env(), capture_output=True, text=True, timeout=300)
     log = proc.stdout + proc.stderr
