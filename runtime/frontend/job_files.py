@@ -74,8 +74,6 @@ class JobPaths:
             if other != key:
                 raise ConfigError(f"config keys '{other}' and '{key}' name the same file ({path})")
         if self.input.is_dir():
-            from runtime.frontend.tables import read_as_shard
-
             shard = next((k for k, p in named.items() if k != "job.input" and read_as_shard(self.input, p)), None)
             if shard is not None:
                 raise ConfigError(f"{shard}={named[shard]} is in the input folder job.input={self.input}, where a "
@@ -133,6 +131,19 @@ def _row_settings(config_yaml: str) -> dict[str, Any]:
     if isinstance(path, str) and path != "default":  # one folder however it is spelled
         settings["model.path"] = str(Path(path).resolve())
     return settings
+
+
+def shard_name(folder: Path, path: Path, suffixes: tuple[str, ...]) -> bool:
+    """A shard of a table folder: a file with one of ``suffixes``, under no name starting with '.' or '_'."""
+    return path.suffix.lower() in suffixes and not any(p.startswith((".", "_")) for p in path.relative_to(folder).parts)
+
+
+def read_as_shard(folder: Path, path: Path) -> bool:
+    """Whether a file written at ``path`` would be read as one of the shards of the input folder ``folder``."""
+    folder, path = folder.resolve(), path.resolve()
+    if folder not in path.parents or (folder / "state.json").is_file():  # save_to_disk lists its own files
+        return False
+    return shard_name(folder, path, (".parquet", ".pq", ".arrow"))
 
 
 def _beside(out: Path, suffix: str) -> Path:

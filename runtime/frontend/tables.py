@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
-from runtime.frontend.job_files import InputError, JobRow, normalize_id
+from runtime.frontend.job_files import InputError, JobRow, normalize_id, shard_name
 from runtime.sampling_params import SamplingParams
 
 BATCH_ROWS = 4096
@@ -49,19 +49,7 @@ PARQUET_SUFFIXES = (".parquet", ".pq")
 def _data_files(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
     """A folder's shards, in name order: files with one of ``suffixes``, none under a name starting with '.' or
     '_' (Spark's _SUCCESS, a job's own lock). A dataset card or any other file beside them is not a shard."""
-    return sorted(f for f in folder.rglob("*") if _shard_name(folder, f, suffixes) and f.is_file())
-
-
-def _shard_name(folder: Path, path: Path, suffixes: tuple[str, ...]) -> bool:
-    return path.suffix.lower() in suffixes and not any(p.startswith((".", "_")) for p in path.relative_to(folder).parts)
-
-
-def read_as_shard(folder: Path, path: Path) -> bool:
-    """Whether a file written at ``path`` would be read as one of the shards of the input folder ``folder``."""
-    folder, path = folder.resolve(), path.resolve()
-    if folder not in path.parents or (folder / "state.json").is_file():  # save_to_disk lists its own files
-        return False
-    return _shard_name(folder, path, (*PARQUET_SUFFIXES, ".arrow"))
+    return sorted(f for f in folder.rglob("*") if shard_name(folder, f, suffixes) and f.is_file())
 
 
 @dataclass
