@@ -163,7 +163,7 @@ def _typed(schema: pa.Schema) -> str:
 
 
 def kept_type_changes(existing: pa.Schema, kept: list[pa.Field]) -> list[str]:
-    """Kept columns whose type differs between an output and this job's input, as 'name: then -> now'."""
+    """Kept columns whose type differs between an output and this job's input, as 'name: <then> then, <now> now'."""
     have = {f.name: f.type for f in existing}
     return [f"{f.name}: {have[f.name]} then, {f.type} now" for f in kept if f.name in have and have[f.name] != f.type]
 

@@ -261,12 +261,11 @@ def _check_axes(sweep: Sweep) -> None:
 
 def _place(run: Run, source: str) -> None:
     job = run.cfg.job
-    fixed = {key: getattr(job, key.split(".")[1]) for key in PER_RUN_KEYS}
-    fixed = {key: value for key, value in fixed.items() if value is not None}
-    if fixed:
-        key, value = next(iter(fixed.items()))
-        raise ConfigError(f"{source}: {key}={value} is set, but every run writes its own {key.split('.')[1]} file in "
-                          f"its folder ({run.dir}); leave {', '.join(PER_RUN_KEYS)} out of a sweep")
+    for key in PER_RUN_KEYS:
+        value = getattr(job, key.split(".")[1])
+        if value is not None:
+            raise ConfigError(f"{source}: {key}={value} is set, but every run writes its own {key.split('.')[1]} file in "
+                              f"its folder ({run.dir}); leave {', '.join(PER_RUN_KEYS)} out of a sweep")
     if job.input is None:
         job.input = str(run.dir / "input.jsonl")
     elif not Path(job.input).exists():
