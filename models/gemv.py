@@ -85,23 +85,23 @@ if triton is not None:
 
     @triton.jit
     def _finish_rows(
-        y, u, sum_sq, n, n_ok, scale_ptr, bias_ptr, out_ptr, eps, N: tl.constexpr, K: tl.constexpr,
-        NORM: tl.constexpr, SILU: tl.constexpr, ADD: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+        acc, acc_up, sq, n, n_ok, scale_ptr, bias_ptr, out_ptr, eps, N: tl.constexpr, K: tl.constexpr,
+        NORM: tl.constexpr, SILU: tl.constexpr, ADD: tl.constexpr, HAS_BIAS: tl.constexpr, X_SCALE: tl.constexpr,
     ):
-        """Row sums ``y`` (gate rows with SILU, ``u`` the up rows) to outputs: rstd, FP8 scales, bias, SiLU x up,
-        the residual add, the store."""
+        """Row products to outputs: the row sums (``acc_up``: the up rows, with SILU), rstd from the squares
+        ``sq``, FP8 scales, bias, SiLU x up, the residual add, the store. Each sum is reduced only where used."""
+        y = tl.sum(acc, axis=1) / X_SCALE
         if NORM:
-            rstd = tl.rsqrt(sum_sq / K + eps)
+            rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
             y = y * rstd
-        if HAS_SCALE:
-            y *= tl.load(scale_ptr + n, mask=n_ok, other=0.0)
+        y *= tl.load(scale_ptr + n, mask=n_ok, other=0.0)
         if HAS_BIAS:
             y += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
         if SILU:
+            u = tl.sum(acc_up, axis=1) / X_SCALE
             if NORM:
                 u = u * rstd
-            if HAS_SCALE:
-                u *= tl.load(scale_ptr + N + n, mask=n_ok, other=0.0)
+            u *= tl.load(scale_ptr + N + n, mask=n_ok, other=0.0)
             if HAS_BIAS:
                 u += tl.load(bias_ptr + N + n, mask=n_ok, other=0.0).to(tl.float32)
             y = y / (1.0 + tl.exp(-y)) * u
@@ -161,20 +161,19 @@ if triton is not None:
     @triton.jit
     def _x_quads(x_ptr, norm_ptr, q, KQ: tl.constexpr, NORM: tl.constexpr, X_SCALE: tl.constexpr,
                  INTERPRET: tl.constexpr):
-        """x[4q .. 4q+3] (times the norm weight) scaled by X_SCALE and packed as two f16 pairs, and their squares."""
-        ok = q < KQ
-        x0 = tl.load(x_ptr + 4 * q, mask=ok, other=0.0).to(tl.float32)
-        x1 = tl.load(x_ptr + 4 * q + 1, mask=ok, other=0.0).to(tl.float32)
-        x2 = tl.load(x_ptr + 4 * q + 2, mask=ok, other=0.0).to(tl.float32)
-        x3 = tl.load(x_ptr + 4 * q + 3, mask=ok, other=0.0).to(tl.float32)
-        sq = x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3
+        """x[4q .. 4q+3] (times the norm weight) scaled by X_SCALE and packed as two f16 pairs, and with NORM the
+        sum of their squares. Each quad is one vector load, split in registers."""
+        ok = (q < KQ)[:, None]
+        at = 4 * q[:, None] + tl.arange(0, 4)[None, :]
+        x = tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        sq = x  # unused without NORM
         if NORM:
-            x0 *= tl.load(norm_ptr + 4 * q, mask=ok, other=0.0).to(tl.float32)
-            x1 *= tl.load(norm_ptr + 4 * q + 1, mask=ok, other=0.0).to(tl.float32)
-            x2 *= tl.load(norm_ptr + 4 * q + 2, mask=ok, other=0.0).to(tl.float32)
-            x3 *= tl.load(norm_ptr + 4 * q + 3, mask=ok, other=0.0).to(tl.float32)
-        return (_pack_f16x2(x0 * X_SCALE, x1 * X_SCALE, INTERPRET), _pack_f16x2(x2 * X_SCALE, x3 * X_SCALE, INTERPRET),
-                sq)
+            sq = tl.sum(x * x, axis=1)
+            x = x * tl.load(norm_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        even, odd = tl.split(tl.reshape(x * X_SCALE, (x.shape[0], 2, 2)))  # [q, i]: x[4q + 2i], x[4q + 2i + 1]
+        x0, x2 = tl.split(even)
+        x1, x3 = tl.split(odd)
+        return _pack_f16x2(x0, x1, INTERPRET), _pack_f16x2(x2, x3, INTERPRET), sq
 
     @triton.jit
     def _row_gemv_e4m3(
@@ -204,15 +203,16 @@ if triton is not None:
         for q0 in range(BQ, KQ, BQ):
             qk = q0 + q
             x01, x23, part = _x_quads(x_ptr, norm_ptr, qk, KQ, NORM, X_SCALE, INTERPRET)
-            sq += part
+            if NORM:
+                sq += part
             w_ok = n_ok[:, None] & (qk < KQ)[None, :]
             w = tl.load(w_rows + qk[None, :], mask=w_ok, other=0, eviction_policy="evict_first")
             acc += _dot4_e4m3(w, x01[None, :], x23[None, :], INTERPRET)
             if SILU:
                 up = tl.load(w_rows + N * KQ + qk[None, :], mask=w_ok, other=0, eviction_policy="evict_first")
                 acc_up += _dot4_e4m3(up, x01[None, :], x23[None, :], INTERPRET)
-        _finish_rows(tl.sum(acc, axis=1) / X_SCALE, tl.sum(acc_up, axis=1) / X_SCALE, tl.sum(sq, axis=0), n, n_ok,
-                     scale_ptr, bias_ptr, out_ptr, eps, N, K, NORM, SILU, ADD, HAS_BIAS, True)
+        _finish_rows(acc, acc_up, sq, n, n_ok, scale_ptr, bias_ptr, out_ptr, eps, N, K, NORM, SILU, ADD, HAS_BIAS,
+                     X_SCALE)
 
 
 def supported(device: torch.device) -> bool:
