@@ -491,3 +491,43 @@ def test_jsonl_jobs_need_no_pyarrow_import_and_every_table_suffix_is_known():
     from runtime.frontend.tables import SUFFIXES
 
     assert set(TABLE_SUFFIXES) == set(SUFFIXES)
+
+
+def test_kept_values_json_has_no_type_for_are_written_as_strict_json(llm, tmp_path):
+    """NaN, infinities, bytes, timestamps and decimals in kept columns: the JSONL output is strict JSON (NaN used
+    to be written bare, bytes as their Python repr); a Parquet output keeps the values and their types."""
+    import datetime
+    import decimal
+
+    when = datetime.datetime(2024, 5, 6, 7, 8, 9, tzinfo=datetime.timezone.utc)
+    table = pa.table({
+        "qid": IDS[:4], "question": QUESTIONS[:4],
+        "score": [float("nan"), float("inf"), -float("inf"), 1.25],
+        "blob": [b"\x00\xff", b"", None, b"abc"],
+        "when": pa.array([when] * 4, pa.timestamp("us", tz="UTC")),
+        "price": pa.array([decimal.Decimal("12345678901234567890.123456789")] * 4, pa.decimal128(38, 9)),
+        "nested": [{"xs": [float("nan"), 2.0]}] * 4,
+    })
+    pq.write_table(table, tmp_path / "in.parquet")
+    keep = ["score", "blob", "when", "price", "nested"]
+    out = tmp_path / "out.jsonl"
+    assert _job(llm, tmp_path / "in.parquet", out, id="qid", prompt="question", keep=keep)["errors"] == 0
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"not strict JSON: {constant}")
+
+    rows = {r["id"]: r for r in (json.loads(line, parse_constant=refuse) for line in out.read_text().splitlines())}
+    assert [rows[i]["score"] for i in IDS[:4]] == [None, None, None, 1.25]
+    assert [rows[i]["blob"] for i in IDS[:4]] == ["AP8=", "", None, "YWJj"]
+    assert {rows[i]["when"] for i in IDS[:4]} == {"2024-05-06T07:08:09+00:00"}
+    assert {rows[i]["price"] for i in IDS[:4]} == {"12345678901234567890.123456789"}
+    assert {json.dumps(rows[i]["nested"]) for i in IDS[:4]} == {'{"xs": [null, 2.0]}'}
+
+    out_parquet = tmp_path / "out.parquet"
+    _job(llm, tmp_path / "in.parquet", out_parquet, id="qid", prompt="question", keep=keep)
+    written = pq.read_table(out_parquet).sort_by("id")
+    for name in keep:
+        assert written.schema.field(name).type == table.schema.field(name).type
+    by_id = dict(zip(written.column("id").to_pylist(), written.column("score").to_pylist()))
+    assert by_id[IDS[3]] == 1.25 and by_id[IDS[1]] == float("inf") and by_id[IDS[0]] != by_id[IDS[0]]  # NaN
+    assert dict(zip(written.column("id").to_pylist(), written.column("blob").to_pylist()))[IDS[0]] == b"\x00\xff"

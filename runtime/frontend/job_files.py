@@ -3,11 +3,14 @@ the part files of replicas r > 0 (``<output>.part-<r>``), merged at the end of a
 
 from __future__ import annotations
 
+import base64
 import codecs
+import datetime
 import difflib
 import glob
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -468,6 +471,37 @@ def sync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def json_line(row: dict[str, Any]) -> bytes:
+    """``row`` as one line of strict JSON, which any parser reads back. Kept table values JSON has no type for:
+    NaN and infinities are null, bytes base64, dates and times ISO 8601, decimals their exact text."""
+    try:
+        text = json.dumps(row, ensure_ascii=False, allow_nan=False, default=_json_value)
+    except ValueError:  # a non-finite float: only a kept column holds one, so the walk is rare
+        text = json.dumps(_finite(row), ensure_ascii=False, allow_nan=False, default=_json_value)
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (valid JSON): escaped, it reads back the same
+        return json.dumps(json.loads(text), allow_nan=False).encode("ascii")
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    if isinstance(value, (datetime.date, datetime.time)):  # datetime is a date
+        return value.isoformat()
+    return str(value)  # Decimal, timedelta and the like: their exact text
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 class JsonlAppender:
 
     def __init__(self, path: Path, fsync_every_s: float, mode: str = "a") -> None:
@@ -477,11 +511,7 @@ class JsonlAppender:
         self.last_sync = time.monotonic()
 
     def write(self, row: dict[str, Any]) -> None:
-        try:
-            line = json.dumps(row, ensure_ascii=False, default=str).encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate (valid JSON): escaped, it reads back the same
-            line = json.dumps(row, default=str).encode("ascii")
-        self.file.write(line + b"\n")
+        self.file.write(json_line(row) + b"\n")
         self.file.flush()
         if time.monotonic() - self.last_sync >= self.fsync_every_s:
             os.fsync(self.file.fileno())
