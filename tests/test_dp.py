@@ -209,3 +209,31 @@ def test_a_replica_idle_at_the_end_keeps_its_tp_workers_inside_a_short_timeout(m
     out = tmp_path / "out.jsonl"
     _run(_job(model_dir, rows, out, 4, 2, "parallel.timeout_s=5"))
     assert sorted(_texts(out)) == [0, 1]
+
+
+@pytest.mark.slow
+def test_a_leader_waiting_for_a_part_lock_keeps_its_tp_workers_inside_a_short_timeout(model_dir, rows, reference,
+                                                                                       tmp_path):
+    """TP=2: at start the leader waits for a killed run's replica that still holds its part of the output (here
+    for longer than parallel.timeout_s). Its TP worker waits for a batch meanwhile and must not time out."""
+    from runtime.frontend.output_lock import OutputLock, lock_path
+
+    out = tmp_path / "out.jsonl"
+    held = OutputLock(lock_path(out, 1), "replica 1's part")
+    held.acquire()
+    proc = subprocess.Popen(_job(model_dir, rows, out, 2, 2, "parallel.timeout_s=5", "job.lock_wait_s=120"),
+                            cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = []
+    try:
+        for line in proc.stdout:  # the leader says when it starts waiting for the part
+            log.append(line)
+            if "is in use by another run" in line:
+                break
+        time.sleep(12)  # past two worker timeouts
+        assert proc.poll() is None, "".join(log) + proc.communicate()[0][-3000:]
+    finally:
+        held.release()
+    rest, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, ("".join(log) + rest)[-3000:]
+    assert any("is in use by another run" in line for line in log)
+    assert _texts(out) == reference

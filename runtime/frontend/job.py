@@ -58,49 +58,60 @@ def run_job(llm: Any, config_yaml: str, output_locked: bool = False) -> dict[str
     source = open_input(paths.input, job, llm.default_sampling())
     out_format = output_format(paths.output, source)
     start = time.perf_counter()
-    replicas = Replicas(llm.keep_workers_waiting, llm.drain, job.drain_timeout_s,
-                        keepalive_s=min(5.0, llm.cfg.parallel.timeout_s / 4))
+    keepalive_s = min(5.0, llm.cfg.parallel.timeout_s / 4)
+    replicas = Replicas(llm.keep_workers_waiting, llm.drain, job.drain_timeout_s, keepalive_s)
     with ExitStack() as held:
-        if replicas.first:
-            if job.lock and not output_locked:
-                held.enter_context(output_lock(paths.output, job.lock_wait_s))
-            paths.check_same_rows(config_yaml)
-            recover(paths, out_format, job.row_group_rows, job.lock_wait_s if job.lock else None)
-            if out_format == "parquet":
-                check_parquet_columns(paths.output, source)
-            for stale in part_files(paths.errors):
-                stale.unlink()
-            paths.config.parent.mkdir(parents=True, exist_ok=True)
-            paths.config.write_text(config_yaml)
-            if source.id_note:
-                log.warning("%s", source.id_note)
-        replicas.barrier("recovered")  # others lock their part only now: replica 0 may have refused the run
-        if not replicas.first and job.lock:
-            part = part_path(paths.output, replicas.index)
-            held.enter_context(OutputLock(lock_path(paths.output, replicas.index),
-                                          f"{part} (replica {replicas.index}'s part of job.output={paths.output})",
-                                          job.lock_wait_s))
-        todo = Todo(source.rows(), done_keys(out_format, paths.output))
-        todo.fill(0)
-        replicas.barrier("planned")  # every replica reads the same output before anyone appends
+        with llm.workers_kept_waiting(keepalive_s):
+            todo = prepare(job, paths, out_format, source, replicas, held, config_yaml, output_locked)
         if llm.drain is not None and replicas.store is not None:
             llm.drain.sync = replicas.share_drain
         try:
-            reports = replicas.gather(serve(llm, replicas, paths, todo, out_format, source))
+            mine = serve(llm, replicas, paths, todo, out_format, source)
         finally:
             if llm.drain is not None:
                 llm.drain.sync = None
-        if replicas.first:
-            merge_output(paths.output, out_format, job.row_group_rows)
-            merge_parts(paths.errors, results=False)
-        metrics = summarize(reports, time.perf_counter() - start, config_yaml)
-        metrics.update(input_format=source.format, output_format=out_format)
-        if source.id_note:
-            metrics["ids"] = source.id_note
-        if replicas.first:
-            paths.metrics.parent.mkdir(parents=True, exist_ok=True)
-            paths.metrics.write_text(json.dumps(metrics, indent=2) + "\n")
+        with llm.workers_kept_waiting(keepalive_s):
+            reports = replicas.gather(mine)
+            if replicas.first:
+                merge_output(paths.output, out_format, job.row_group_rows)
+                merge_parts(paths.errors, results=False)
+            metrics = summarize(reports, time.perf_counter() - start, config_yaml)
+            metrics.update(input_format=source.format, output_format=out_format)
+            if source.id_note:
+                metrics["ids"] = source.id_note
+            if replicas.first:
+                paths.metrics.parent.mkdir(parents=True, exist_ok=True)
+                paths.metrics.write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
+
+
+def prepare(job: Any, paths: JobPaths, out_format: str, source: JobInput, replicas: Replicas,
+            held: ExitStack, config_yaml: str, output_locked: bool) -> Todo:
+    """Before serving: replica 0 takes the output, folds in a killed run's parts and records the config; every
+    replica then locks its own part and reads which rows are done. Locks go on ``held``, kept until the job ends."""
+    if replicas.first:
+        if job.lock and not output_locked:
+            held.enter_context(output_lock(paths.output, job.lock_wait_s))
+        paths.check_same_rows(config_yaml)
+        recover(paths, out_format, job.row_group_rows, job.lock_wait_s if job.lock else None)
+        if out_format == "parquet":
+            check_parquet_columns(paths.output, source)
+        for stale in part_files(paths.errors):
+            stale.unlink()
+        paths.config.parent.mkdir(parents=True, exist_ok=True)
+        paths.config.write_text(config_yaml)
+        if source.id_note:
+            log.warning("%s", source.id_note)
+    replicas.barrier("recovered")  # others lock their part only now: replica 0 may have refused the run
+    if not replicas.first and job.lock:
+        part = part_path(paths.output, replicas.index)
+        held.enter_context(OutputLock(lock_path(paths.output, replicas.index),
+                                      f"{part} (replica {replicas.index}'s part of job.output={paths.output})",
+                                      job.lock_wait_s))
+    todo = Todo(source.rows(), done_keys(out_format, paths.output))
+    todo.fill(0)
+    replicas.barrier("planned")  # every replica reads the same output before anyone appends
+    return todo
 
 
 def check_parquet_columns(output: Path, source: JobInput) -> None:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
+import logging
+import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Union
 
 from parallel.state import get_tp
@@ -20,6 +23,8 @@ from runtime.loop import run_until_idle
 from runtime.output import OutputProcessor
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
 
 Prompt = Union[str, list[int], list[dict[str, str]]]
 Item = tuple[Any, Prompt, SamplingParams]
@@ -76,6 +81,7 @@ class LLM:
         self.drain: Drain | None = None
         self.interrupted = False
         self._closed = False
+        self._keepalive_lock = threading.Lock()
         self._page_waits = 0
         if get_tp().size > 1:
             atexit.register(self.shutdown)  # workers wait for rank 0's STOP
@@ -278,8 +284,36 @@ class LLM:
 
     def keep_workers_waiting(self) -> None:
         """TP: tell the worker ranks that nothing runs yet, so their wait for a batch does not time out."""
-        if get_tp().size > 1 and not self._closed:
-            send_batch(None)
+        if get_tp().size > 1:
+            with self._keepalive_lock:  # the pinging thread and the caller's thread send one at a time
+                if not self._closed:
+                    send_batch(None)
+
+    @contextlib.contextmanager
+    def workers_kept_waiting(self, every_s: float) -> Iterator[None]:
+        """TP: while the leader works without the model (waiting for a lock, reading or merging outputs, for
+        longer than parallel.timeout_s on a large job), a thread pings the workers every ``every_s``. Nothing
+        else may send them batches meanwhile, except through ``keep_workers_waiting``."""
+        if get_tp().size == 1:
+            yield
+            return
+        stop = threading.Event()
+
+        def ping() -> None:
+            while not stop.wait(every_s):
+                try:
+                    self.keep_workers_waiting()
+                except RuntimeError as exc:  # a worker is gone: the leader's next collective says so
+                    log.warning("stopped pinging the TP workers: %s", exc)
+                    return
+
+        thread = threading.Thread(target=ping, name="tpinfer-worker-keepalive", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
 
     def shutdown(self) -> None:
         """Release the worker ranks and this engine's CUDA graphs; idempotent. Under torchrun, call it before
