@@ -5,6 +5,7 @@ output that survives kill -9 (CPU, a tiny random Llama with the default model's 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -22,7 +23,7 @@ from runtime import LLM
 from runtime.config import JobColumnsSection
 from runtime.frontend import parquet_output
 from runtime.frontend.job import Todo, run_job
-from runtime.frontend.job_files import InputError, JobRow, part_files
+from runtime.frontend.job_files import InputError, JobRow, json_line, part_files
 from runtime.frontend.tables import TableInput, table_kind
 from tests.conftest import make_tiny_llama
 from tests.test_output_lock import kill_job
@@ -531,3 +532,7 @@ def test_kept_values_json_has_no_type_for_are_written_as_strict_json(llm, tmp_pa
     by_id = dict(zip(written.column("id").to_pylist(), written.column("score").to_pylist()))
     assert by_id[IDS[3]] == 1.25 and by_id[IDS[1]] == float("inf") and by_id[IDS[0]] != by_id[IDS[0]]  # NaN
     assert dict(zip(written.column("id").to_pylist(), written.column("blob").to_pylist()))[IDS[0]] == b"\x00\xff"
+    # Degenerate logits' logprobs are numbers JSON cannot hold too: null, the line stays strict.
+    line = json_line({"id": 1, "logprobs": [{"token_id": 5, "logprob": -float("inf")}], "cumulative_logprob": math.nan})
+    assert json.loads(line, parse_constant=refuse) == {"id": 1, "logprobs": [{"token_id": 5, "logprob": None}],
+                                                       "cumulative_logprob": None}

@@ -28,6 +28,7 @@ from runtime.frontend.job_files import (
     JsonlAppender,
     done_ids,
     drop_error_lines,
+    finite_values,
     merge_parts,
     part_files,
     part_path,
@@ -67,11 +68,12 @@ def run_job(llm: Any, config_yaml: str, output_locked: bool = False) -> dict[str
             llm.drain.sync = replicas.share_drain
         try:
             mine = serve(llm, replicas, paths, todo, out_format, source)
+            with llm.workers_kept_waiting(keepalive_s):  # the barrier gives up after a drain shared by another
+                reports = replicas.gather(mine)
         finally:
             if llm.drain is not None:
                 llm.drain.sync = None
         with llm.workers_kept_waiting(keepalive_s):
-            reports = replicas.gather(mine)
             if replicas.first:
                 merge_output(paths.output, out_format, job.row_group_rows)
                 merge_parts(paths.errors, results=False)
@@ -287,7 +289,7 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: Todo, out_format:
         else:
             record = result_row(row.id, output)
             if row.keep:
-                record.update(row.keep)
+                record.update(finite_values(row.keep) if out_format == "jsonl" else row.keep)
             try:
                 outputs.write(record)
             except ValueError as exc:

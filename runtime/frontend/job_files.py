@@ -472,12 +472,13 @@ def sync_dir(folder: Path) -> None:
 
 
 def json_line(row: dict[str, Any]) -> bytes:
-    """``row`` as one line of strict JSON, which any parser reads back. Kept table values JSON has no type for:
-    NaN and infinities are null, bytes base64, dates and times ISO 8601, decimals their exact text."""
+    """``row`` as one line of strict JSON, which any parser reads back: NaN and infinities are null; of values
+    JSON has no type for (kept table columns), bytes are base64, dates and times ISO 8601, decimals their exact
+    text."""
     try:
         text = json.dumps(row, ensure_ascii=False, allow_nan=False, default=_json_value)
-    except ValueError:  # a non-finite float: only a kept column holds one, so the walk is rare
-        text = json.dumps(_finite(row), ensure_ascii=False, allow_nan=False, default=_json_value)
+    except ValueError:  # a non-finite float: jobs pass kept values through finite_values first, so this is rare
+        text = json.dumps(finite_values(row), ensure_ascii=False, allow_nan=False, default=_json_value)
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate (valid JSON): escaped, it reads back the same
@@ -492,13 +493,14 @@ def _json_value(value: Any) -> Any:
     return str(value)  # Decimal, timedelta and the like: their exact text
 
 
-def _finite(value: Any) -> Any:
+def finite_values(value: Any) -> Any:
+    """``value`` with NaN and infinities, at any depth, as None."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: finite_values(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
+        return [finite_values(v) for v in value]
     return value
 
 

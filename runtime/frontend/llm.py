@@ -308,19 +308,21 @@ class LLM:
                     return
 
         thread = threading.Thread(target=ping, name="tpinfer-worker-keepalive", daemon=True)
-        thread.start()
         try:
+            thread.start()
             yield
         finally:
             stop.set()
-            thread.join()
+            if thread.ident is not None:  # started
+                thread.join()
 
     def shutdown(self) -> None:
         """Release the worker ranks and this engine's CUDA graphs; idempotent. Under torchrun, call it before
         ``destroy_process_group``."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._keepalive_lock:  # a ping being sent ends before STOP, and none starts after it
+            if self._closed:
+                return
+            self._closed = True
         try:
             if get_tp().size > 1:
                 send_batch(None, stop=True)
