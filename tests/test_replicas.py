@@ -32,21 +32,29 @@ def test_finished_rows_are_counted_over_every_replica(monkeypatch) -> None:
     assert first.finished(0) == second.finished(0) == 7
 
 
-def test_a_leader_waiting_at_a_barrier_pings_its_workers_inside_their_timeout() -> None:
+def test_a_leader_waiting_at_a_barrier_pings_its_workers_inside_their_timeout(monkeypatch) -> None:
     """TP workers give up a receive after parallel.timeout_s: a leader idle at a barrier must ping them more often
     than that, however short it is set (a fixed 5 s interval failed finished jobs at timeout_s=4)."""
     import threading
     import time
+    from types import SimpleNamespace
 
-    store = dist.HashStore()
+    from runtime.frontend import llm as llm_module
+
+    monkeypatch.setattr(llm_module, "get_tp", lambda: SimpleNamespace(size=2))
     pings: list[float] = []
-    waiting = _replica(0, 2, store)
-    waiting.keepalive, waiting.keepalive_s = (lambda: pings.append(time.monotonic())), 0.05
-    late = _replica(1, 2, store)
+    leader = SimpleNamespace(cfg=SimpleNamespace(parallel=SimpleNamespace(timeout_s=0.2)),
+                             keep_workers_waiting=lambda: pings.append(time.monotonic()))
+    store = dist.HashStore()
+    waiting, late = _replica(0, 2, store), _replica(1, 2, store)
     arrive = threading.Timer(1.5, late.barrier, args=("reported",))
     arrive.start()
     start = time.monotonic()
-    waiting.barrier("reported")
+    with llm_module.LLM.workers_kept_waiting(leader):
+        waiting.barrier("reported")
+    left = time.monotonic()
     arrive.join()
+    time.sleep(0.2)
     gaps = [b - a for a, b in zip([start, *pings], pings)]
     assert len(pings) >= 3 and max(gaps) < 1.0, gaps  # the first on arrival
+    assert all(t <= left for t in pings)  # none once the leader is back

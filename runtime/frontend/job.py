@@ -59,31 +59,29 @@ def run_job(llm: Any, config_yaml: str, output_locked: bool = False) -> dict[str
     source = open_input(paths.input, job, llm.default_sampling())
     out_format = output_format(paths.output, source)
     start = time.perf_counter()
-    keepalive_s = min(5.0, llm.cfg.parallel.timeout_s / 4)
-    replicas = Replicas(llm.keep_workers_waiting, llm.drain, job.drain_timeout_s, keepalive_s)
+    replicas = Replicas(llm.drain, job.drain_timeout_s)
     with ExitStack() as held:
-        with llm.workers_kept_waiting(keepalive_s):
+        with llm.workers_kept_waiting():
             todo = prepare(job, paths, out_format, source, replicas, held, config_yaml, output_locked)
         if llm.drain is not None and replicas.store is not None:
-            llm.drain.sync = replicas.share_drain
+            llm.drain.sync = replicas.share_drain  # through the last barrier too: it gives up after a shared drain
         try:
             mine = serve(llm, replicas, paths, todo, out_format, source)
-            with llm.workers_kept_waiting(keepalive_s):  # the barrier gives up after a drain shared by another
+            with llm.workers_kept_waiting():
                 reports = replicas.gather(mine)
+                if replicas.first:
+                    merge_output(paths.output, out_format, job.row_group_rows)
+                    merge_parts(paths.errors, results=False)
         finally:
             if llm.drain is not None:
                 llm.drain.sync = None
-        with llm.workers_kept_waiting(keepalive_s):
-            if replicas.first:
-                merge_output(paths.output, out_format, job.row_group_rows)
-                merge_parts(paths.errors, results=False)
-            metrics = summarize(reports, time.perf_counter() - start, config_yaml)
-            metrics.update(input_format=source.format, output_format=out_format)
-            if source.id_note:
-                metrics["ids"] = source.id_note
-            if replicas.first:
-                paths.metrics.parent.mkdir(parents=True, exist_ok=True)
-                paths.metrics.write_text(json.dumps(metrics, indent=2) + "\n")
+        metrics = summarize(reports, time.perf_counter() - start, config_yaml)
+        metrics.update(input_format=source.format, output_format=out_format)
+        if source.id_note:
+            metrics["ids"] = source.id_note
+        if replicas.first:
+            paths.metrics.parent.mkdir(parents=True, exist_ok=True)
+            paths.metrics.write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
 
 

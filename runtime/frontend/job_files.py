@@ -136,6 +136,9 @@ def _row_settings(config_yaml: str) -> dict[str, Any]:
     return settings
 
 
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
 def shard_name(folder: Path, path: Path, suffixes: tuple[str, ...]) -> bool:
     """A shard of a table folder: a file with one of ``suffixes``, under no name starting with '.' or '_'."""
     return path.suffix.lower() in suffixes and not any(p.startswith((".", "_")) for p in path.relative_to(folder).parts)
@@ -146,7 +149,7 @@ def read_as_shard(folder: Path, path: Path) -> bool:
     folder, path = folder.resolve(), path.resolve()
     if folder not in path.parents or (folder / "state.json").is_file():  # save_to_disk lists its own files
         return False
-    return shard_name(folder, path, (".parquet", ".pq", ".arrow"))
+    return shard_name(folder, path, (*PARQUET_SUFFIXES, ".arrow"))
 
 
 def _beside(out: Path, suffix: str) -> Path:

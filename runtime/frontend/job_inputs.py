@@ -7,10 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime.frontend.job_files import InputError, JobRow, jsonl_format, read_rows
+from runtime.frontend.job_files import PARQUET_SUFFIXES, InputError, JobRow, jsonl_format, read_rows
 from runtime.sampling_params import SamplingParams
-
-PARQUET_SUFFIXES = (".parquet", ".pq")
 
 
 @dataclass

@@ -290,21 +290,24 @@ class LLM:
                     send_batch(None)
 
     @contextlib.contextmanager
-    def workers_kept_waiting(self, every_s: float) -> Iterator[None]:
-        """TP: while the leader works without the model (waiting for a lock, reading or merging outputs, for
-        longer than parallel.timeout_s on a large job), a thread pings the workers every ``every_s``. Nothing
-        else may send them batches meanwhile, except through ``keep_workers_waiting``."""
+    def workers_kept_waiting(self) -> Iterator[None]:
+        """TP: while the leader works without the model (waiting for locks and other replicas, reading or merging
+        outputs: longer than parallel.timeout_s on a large job), a thread pings the workers on entry and then
+        every min(5 s, timeout / 4). Nothing else may send them batches meanwhile."""
         if get_tp().size == 1:
             yield
             return
+        every_s = min(5.0, self.cfg.parallel.timeout_s / 4)
         stop = threading.Event()
 
         def ping() -> None:
-            while not stop.wait(every_s):
+            while True:  # the first at once: the leader may have been busy before it got here
                 try:
                     self.keep_workers_waiting()
                 except RuntimeError as exc:  # a worker is gone: the leader's next collective says so
                     log.warning("stopped pinging the TP workers: %s", exc)
+                    return
+                if stop.wait(every_s):
                     return
 
         thread = threading.Thread(target=ping, name="tpinfer-worker-keepalive", daemon=True)

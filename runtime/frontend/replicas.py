@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 from parallel.state import get_store, get_tp
@@ -29,16 +28,13 @@ def number_next_job(number: int) -> None:
 
 
 class Replicas:
-    def __init__(self, keepalive: Callable[[], None] = lambda: None, drain: Drain | None = None,
-                 drain_timeout_s: float = 0.0, keepalive_s: float = 5.0) -> None:
+    def __init__(self, drain: Drain | None = None, drain_timeout_s: float = 0.0) -> None:
         global _jobs_started
         _jobs_started += 1
         info = get_tp()
         self.index, self.count = info.dp_rank, info.dp_size
         self.store = get_store() if self.count > 1 else None
         self.prefix = f"tpinfer/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/job{_jobs_started}"
-        # TP workers must not time out in their receive: pinged well inside their timeout while the leader waits.
-        self.keepalive, self.keepalive_s = keepalive, keepalive_s
         self.drain, self.drain_timeout_s = drain, drain_timeout_s
         self._claimed = 0
         self._drain_published = False
@@ -96,18 +92,16 @@ class Replicas:
                 drain.request(int(self.store.get(key)), source="another replica")
 
     def barrier(self, name: str) -> None:
-        """Wait until every replica got here (no timeout: replicas finish their share at different times)."""
+        """Wait until every replica got here (no timeout: replicas finish their share at different times). Callers
+        keep their TP workers waiting meanwhile (``LLM.workers_kept_waiting``)."""
         if self.store is None:
             return
         key = f"{self.prefix}/{name}"
         self.store.add(key, 1)
-        delay, last_keepalive = 0.001, float("-inf")  # the leader may have been idle before it got here
+        delay = 0.001
         while self.store.add(key, 0) < self.count:
             time.sleep(delay)
             delay = min(delay * 2, 0.2)
-            if time.monotonic() - last_keepalive > self.keepalive_s:
-                self.keepalive()
-                last_keepalive = time.monotonic()
             if self.drain is not None and self.drain.expired(self.drain_timeout_s + BARRIER_GRACE_S):
                 raise RuntimeError(f"not every replica reached '{name}' after the drain; finished rows are on disk")
 

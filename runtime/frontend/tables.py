@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
-from runtime.frontend.job_files import InputError, JobRow, normalize_id, shard_name
+from runtime.frontend.job_files import PARQUET_SUFFIXES, InputError, JobRow, normalize_id, shard_name
 from runtime.sampling_params import SamplingParams
 
 BATCH_ROWS = 4096
@@ -43,7 +43,6 @@ def table_kind(path: Path) -> str | None:
     return SUFFIXES.get(path.suffix.lower())
 
 
-PARQUET_SUFFIXES = (".parquet", ".pq")
 
 
 def _data_files(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
