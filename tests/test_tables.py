@@ -495,7 +495,7 @@ def test_jsonl_jobs_need_no_pyarrow_import_and_every_table_suffix_is_known():
 
 
 def test_kept_values_json_has_no_type_for_are_written_as_strict_json(llm, tmp_path):
-    """NaN, infinities, bytes, timestamps and decimals in kept columns: the JSONL output is strict JSON (NaN used
+    """NaN, infinities, bytes, timestamps, durations and decimals in kept columns: the JSONL output is strict JSON (NaN used
     to be written bare, bytes as their Python repr); a Parquet output keeps the values and their types."""
     import datetime
     import decimal
@@ -508,9 +508,11 @@ def test_kept_values_json_has_no_type_for_are_written_as_strict_json(llm, tmp_pa
         "when": pa.array([when] * 4, pa.timestamp("us", tz="UTC")),
         "price": pa.array([decimal.Decimal("12345678901234567890.123456789")] * 4, pa.decimal128(38, 9)),
         "nested": [{"xs": [float("nan"), 2.0]}] * 4,
+        "took": pa.array([datetime.timedelta(days=1, seconds=3723, microseconds=500000), datetime.timedelta(0),
+                          -datetime.timedelta(microseconds=1), None], pa.duration("us")),
     })
     pq.write_table(table, tmp_path / "in.parquet")
-    keep = ["score", "blob", "when", "price", "nested"]
+    keep = ["score", "blob", "when", "price", "nested", "took"]
     out = tmp_path / "out.jsonl"
     assert _job(llm, tmp_path / "in.parquet", out, id="qid", prompt="question", keep=keep)["errors"] == 0
 
@@ -523,6 +525,7 @@ def test_kept_values_json_has_no_type_for_are_written_as_strict_json(llm, tmp_pa
     assert {rows[i]["when"] for i in IDS[:4]} == {"2024-05-06T07:08:09+00:00"}
     assert {rows[i]["price"] for i in IDS[:4]} == {"12345678901234567890.123456789"}
     assert {json.dumps(rows[i]["nested"]) for i in IDS[:4]} == {'{"xs": [null, 2.0]}'}
+    assert [rows[i]["took"] for i in IDS[:4]] == ["P1DT1H2M3.5S", "P0DT0H0M0S", "-P0DT0H0M0.000001S", None]
 
     out_parquet = tmp_path / "out.parquet"
     _job(llm, tmp_path / "in.parquet", out_parquet, id="qid", prompt="question", keep=keep)

@@ -476,8 +476,8 @@ def sync_dir(folder: Path) -> None:
 
 def json_line(row: dict[str, Any]) -> bytes:
     """``row`` as one line of strict JSON, which any parser reads back: NaN and infinities are null; of values
-    JSON has no type for (kept table columns), bytes are base64, dates and times ISO 8601, decimals their exact
-    text."""
+    JSON has no type for (kept table columns), bytes are base64, dates, times and durations ISO 8601, decimals
+    their exact text."""
     try:
         text = json.dumps(row, ensure_ascii=False, allow_nan=False, default=_json_value)
     except ValueError:  # a non-finite float: jobs pass kept values through finite_values first, so this is rare
@@ -493,7 +493,21 @@ def _json_value(value: Any) -> Any:
         return base64.b64encode(bytes(value)).decode("ascii")
     if isinstance(value, (datetime.date, datetime.time)):  # datetime is a date
         return value.isoformat()
-    return str(value)  # Decimal, timedelta and the like: their exact text
+    if isinstance(value, datetime.timedelta):
+        return _iso_duration(value)
+    return str(value)  # Decimal and the like: their exact text
+
+
+def _iso_duration(value: datetime.timedelta) -> str:
+    """ISO 8601 duration, exact to the microsecond: ``P1DT2H3M4.5S``; negative ones lead with ``-``."""
+    sign = "-" if value < datetime.timedelta(0) else ""
+    micros = abs(value) // datetime.timedelta(microseconds=1)
+    days, micros = divmod(micros, 86_400_000_000)
+    hours, micros = divmod(micros, 3_600_000_000)
+    minutes, micros = divmod(micros, 60_000_000)
+    seconds, micros = divmod(micros, 1_000_000)
+    second_text = f"{seconds}.{micros:06d}".rstrip("0").rstrip(".")
+    return f"{sign}P{days}DT{hours}H{minutes}M{second_text}S"
 
 
 def finite_values(value: Any) -> Any:
