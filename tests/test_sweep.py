@@ -442,6 +442,45 @@ def test_two_ranks_walk_the_same_runs_across_tp_layouts(model_dir, rows, tmp_pat
         assert texts == {json.loads(x)["id"]: json.loads(x)["text"] for x in twin.read_text().splitlines()}
 
 
+SLOW_MERGE_SWEEP = """
+import sys
+import time
+
+from runtime.frontend import job, sweep
+
+merge = job.merge_output
+slowed = []
+
+
+def slow_merge(*args, **kwargs):
+    if not slowed and sys._getframe(1).f_code.co_name == "run_job":  # the first run's last merge only
+        slowed.append(True)
+        time.sleep(25)  # past two worker timeouts
+    return merge(*args, **kwargs)
+
+
+job.merge_output = slow_merge
+sys.exit(sweep.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_replicas_waiting_for_replica_0s_merge_keep_their_tp_workers_inside_a_short_timeout(model_dir, rows,
+                                                                                           tmp_path):
+    """DP 2 x TP 2, parallel.timeout_s=10: replica 0 merges the first run's output for 25 s while replica 1 waits
+    to learn whether the sweep goes on. Neither that wait nor replica 1's TP worker may time out."""
+    script = tmp_path / "slow_merge_sweep.py"
+    script.write_text(SLOW_MERGE_SWEEP)
+    file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, grid={"sampling.temperature": [0.0, 0.5]},
+                       overrides=[*base_overrides(model_dir, rows), "parallel.tp_size=2", "parallel.timeout_s=10"])
+    proc = subprocess.run([*TORCHRUN, "--nproc-per-node", "4", str(script), "--sweep-file", str(file)], cwd=REPO,
+                          env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "2 done, 0 skipped, 0 failed, 0 interrupted; 1 model loads" in proc.stdout
+    for t in ("0.0", "0.5"):
+        assert ids(tmp_path / "out" / f"temperature={t}" / "output.jsonl") == list(range(ROWS))
+
+
 @pytest.mark.slow
 def test_a_drained_sweep_exits_143_and_a_rerun_completes_it(model_dir, rows, tmp_path):
     """SIGTERM to both ranks (DP 2) inside run 2: in-flight rows finish, run 2 is recorded interrupted, run 3

@@ -56,12 +56,12 @@ def run_job(llm: Any, config_yaml: str, output_locked: bool = False) -> dict[str
         raise FileNotFoundError(f"job.input={paths.input} does not exist")
     paths.check_distinct()
     paths.check_writable()
-    source = open_input(paths.input, job, llm.default_sampling())
-    out_format = output_format(paths.output, source)
     start = time.perf_counter()
     replicas = Replicas(llm.drain, job.drain_timeout_s)
     with ExitStack() as held:
-        with llm.workers_kept_waiting():
+        with llm.workers_kept_waiting():  # opening a large table can take a while too
+            source = open_input(paths.input, job, llm.default_sampling())
+            out_format = output_format(paths.output, source)
             todo = prepare(job, paths, out_format, source, replicas, held, config_yaml, output_locked)
         if llm.drain is not None and replicas.store is not None:
             llm.drain.sync = replicas.share_drain  # through the last barrier too: it gives up after a shared drain

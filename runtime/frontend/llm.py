@@ -64,28 +64,30 @@ class LLM:
         if model is not None:
             cfg.model.path = model
         self.cfg = cfg
-        self.engine = Engine.from_config(cfg)
-        self.model_dir, self.model_config = self.engine.model_dir, self.engine.model_config
-        self.tokenizer = load_tokenizer(self.model_dir)
-        # The server gives the step loop its own tokenizer: a fast tokenizer used on two threads fails.
-        self.stop_tokenizer = self.tokenizer
-        self.eos_ids = eos_token_ids(self.model_dir, self.tokenizer)
-        e = self.engine
-        self.scheduler = Scheduler(
-            cfg.scheduler, e.num_pages, e.page_size, e.max_seq_len, e.dummy_row, cfg.cache.type, cfg.cache.debug_checks,
-        )
-        self.outputs = OutputProcessor(self.eos_ids, e.dummy_row)
-        # Request ids differ between DP replicas (sampling noise comes from row keys, not uids).
-        self._next_uid = get_tp().dp_rank << 40
-        self.last_stats: dict[str, float] = {}
-        self.drain: Drain | None = None
-        self.interrupted = False
         self._closed = False
         self._keepalive_lock = threading.Lock()
-        self._page_waits = 0
+        self.engine = Engine.from_config(cfg)
         if get_tp().size > 1:
             atexit.register(self.shutdown)  # workers wait for rank 0's STOP
-        quiet_garbage_collector()
+        with self.workers_kept_waiting():  # they wait for a batch from here on; a tokenizer can load slowly
+            self.model_dir, self.model_config = self.engine.model_dir, self.engine.model_config
+            self.tokenizer = load_tokenizer(self.model_dir)
+            # The server gives the step loop its own tokenizer: a fast tokenizer used on two threads fails.
+            self.stop_tokenizer = self.tokenizer
+            self.eos_ids = eos_token_ids(self.model_dir, self.tokenizer)
+            e = self.engine
+            self.scheduler = Scheduler(
+                cfg.scheduler, e.num_pages, e.page_size, e.max_seq_len, e.dummy_row, cfg.cache.type,
+                cfg.cache.debug_checks,
+            )
+            self.outputs = OutputProcessor(self.eos_ids, e.dummy_row)
+            # Request ids differ between DP replicas (sampling noise comes from row keys, not uids).
+            self._next_uid = get_tp().dp_rank << 40
+            self.last_stats: dict[str, float] = {}
+            self.drain: Drain | None = None
+            self.interrupted = False
+            self._page_waits = 0
+            quiet_garbage_collector()
 
     def encode(self, prompt: Prompt) -> list[int]:
         # Token ids first: one pass over the element types in C (bools are not ids), then the range.

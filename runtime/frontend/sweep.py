@@ -350,7 +350,12 @@ class _Sweeper:
         store = get_store()
         key = f"{self.prefix}/run{run.index}/stop"
         store.set(f"{key}/{tp.dp_rank}", "1" if local else "0")
-        return any(store.get(f"{key}/{r}") == b"1" for r in range(tp.dp_size))
+        keys = [f"{key}/{r}" for r in range(tp.dp_size)]
+        delay = 0.001
+        while not store.check(keys):  # polled, not a get: that times out while replica 0 merges a large output
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+        return any(store.get(k) == b"1" for k in keys)
 
     def lead(self, group: list[Run], drain: Drain, g: int) -> bool:
         """Serve ``group``'s runs on one loaded engine; returns whether the sweep stops."""
@@ -386,8 +391,9 @@ class _Sweeper:
                         llm = None
                     continue
                 more = run is not self.last_run
-                stopped = self.agree_to_stop(metrics["interrupted"] or (drain.requested and more), run)
-                self.record(run, metrics, began, loaded, time.perf_counter() - started)
+                with llm.workers_kept_waiting():  # replica 0 may still be merging the run's output
+                    stopped = self.agree_to_stop(metrics["interrupted"] or (drain.requested and more), run)
+                    self.record(run, metrics, began, loaded, time.perf_counter() - started)
                 if stopped:
                     break
         finally:
