@@ -59,7 +59,7 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     text: str | None = None  # set where a stop string cut the text; else the text decodes ``text_ids``
-    stop_token_hidden: bool = False  # it ended on one of ``stop_token_ids``, whose text is not output (as vLLM)
+    stop_token_hidden: bool = False  # it ended on an EOS or one of ``stop_token_ids``: not in the text (as vLLM)
     detok: Any = None
     sampling_row: tuple = ()
     sample_index: int = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,13 +18,32 @@ class SampleOutput:
     token_ids: list[int]
     finish_reason: str | None
     completion_tokens: int
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id
     cumulative_logprob: float | None = None
+    shown_tokens: int = 0  # the leading token ids the text shows (OpenAI's logprobs list only these)
 
     @classmethod
-    def from_req(cls, req: Req, text: str) -> SampleOutput:
+    def from_req(cls, req: Req, decode: Callable[[list[int]], str]) -> SampleOutput:
+        text = req.text if req.text is not None else decode(req.text_ids)
+        shown = shown_tokens(req, decode) if req.output_logprobs is not None else len(req.text_ids)
         return cls(req.sample_index, text, list(req.output_ids), req.finish_reason, len(req.output_ids),
-                   req.output_logprobs, req.cumulative_logprob)
+                   req.output_logprobs, req.cumulative_logprob, shown)
+
+
+def shown_tokens(req: Req, decode: Callable[[list[int]], str]) -> int:
+    """How many leading output tokens the text shows: not a hidden EOS or stop token, and where a stop string cut
+    the text, the tokens that start before the cut (found by decoding prefixes: only such requests pay)."""
+    ids = req.text_ids
+    if req.text is None:
+        return len(ids)
+    cut, lo, hi = len(req.text), 0, len(ids)
+    while lo < hi:  # the most tokens k whose last one starts before the cut
+        k = (lo + hi + 1) // 2
+        if len(decode(ids[: k - 1])) < cut:
+            lo = k
+        else:
+            hi = k - 1
+    return lo
 
 
 class OutputProcessor:
@@ -50,9 +70,7 @@ class OutputProcessor:
 
     def finish_reason(self, req: Req, token: int) -> str | None:
         params = req.sampling
-        if token in self.eos_ids and not params.ignore_eos:
-            return "stop"
-        if token in params.stop_token_ids:
+        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
             req.stop_token_hidden = True
             return "stop"
         if req.detok is not None:

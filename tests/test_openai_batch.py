@@ -130,7 +130,7 @@ def _sample(index: int, text: str, ids: list[int], logprobs: bool) -> SimpleName
     entries = [{"token_id": t, "logprob": -0.5 * (i + 1), "top": [[t, -0.5 * (i + 1)], [t + 1, -3.0], [t + 2, -4.0]]}
                for i, t in enumerate(ids)] if logprobs else None
     return SimpleNamespace(sample_index=index, text=text, token_ids=ids, finish_reason="length",
-                           completion_tokens=len(ids), logprobs=entries)
+                           completion_tokens=len(ids), logprobs=entries, shown_tokens=len(ids))
 
 
 class Vocab:

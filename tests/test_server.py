@@ -181,8 +181,11 @@ def _valid_utf8(data: bytes) -> bool:
 @pytest.mark.slow
 def test_models_health_and_auth(server, client):
     assert [m.id for m in client.models.list().data] == ["smol"]
-    assert urllib.request.urlopen(server + "/health", timeout=10).status == 200
+    assert client.models.retrieve("smol").id == "smol"
     openai = pytest.importorskip("openai")
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("other")
+    assert urllib.request.urlopen(server + "/health", timeout=10).status == 200
     wrong = openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as caught:
         wrong.models.list()
@@ -244,7 +247,8 @@ def test_n_logprobs_stop_and_seed(client, llm):
     chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Say hello."}],
                                           logprobs=True, top_logprobs=2, **greedy(10))
     content = chat.choices[0].logprobs.content
-    assert len(content) == chat.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
+    assert "".join(t.token for t in content) == chat.choices[0].message.content  # an ending EOS is not listed
+    assert len(content) >= chat.usage.completion_tokens - 1 and all(len(t.top_logprobs) == 2 for t in content)
     assert content[0].token == content[0].top_logprobs[0].token  # greedy: the most likely token
 
     full = client.completions.create(model="smol", prompt="One, two, three, four,", **greedy(16)).choices[0].text
@@ -275,6 +279,74 @@ def test_streamed_text_offsets_and_first_token_times_equal_the_unstreamed(server
     for _ in range(3):
         client.completions.create(model="smol", prompt="Hello", max_tokens=1)
     assert metrics(server)["tpinfer_time_to_first_token_seconds_count"] == before + 3
+
+
+@pytest.mark.slow
+def test_logprobs_list_the_tokens_the_text_shows(client, llm):
+    """Not an ending EOS, nor a hidden stop token, nor tokens that start past a stop string's cut; a stream lists
+    the same tokens."""
+    question = [{"role": "user", "content": "Say hello."}]
+
+    def chat(stream: bool = False, **extra) -> tuple[str, list[str]]:
+        asked = dict(model="smol", messages=question, logprobs=True, **extra, **greedy(40))
+        if not stream:
+            out = client.chat.completions.create(**asked).choices[0]
+            return out.message.content, [t.token for t in out.logprobs.content]
+        text, tokens = "", []
+        for c in client.chat.completions.create(stream=True, **asked):
+            if c.choices:
+                text += c.choices[0].delta.content or ""
+                tokens += [t.token for t in c.choices[0].logprobs.content] if c.choices[0].logprobs else []
+        return text, tokens
+
+    ref = llm.chat(question, SamplingParams(temperature=0, max_new_tokens=40))[0]
+    assert ref.finish_reason == "stop" and ref.token_ids[-1] in llm.eos_ids  # it ends on its EOS
+    text, tokens = chat()
+    assert text == ref.text and "".join(tokens) == text and len(tokens) == len(ref.token_ids) - 1
+    assert chat(stream=True) == (text, tokens)
+
+    hidden = ref.token_ids[3]
+    assert hidden not in ref.token_ids[:3]
+    cut_text, cut_tokens = chat(extra_body={"stop_token_ids": [hidden]})
+    assert cut_tokens == tokens[:3] and cut_text == "".join(tokens[:3])
+    assert chat(stream=True, extra_body={"stop_token_ids": [hidden]}) == (cut_text, cut_tokens)
+
+    stop = text.split()[1][1:]  # starts inside a token
+    cut_text, cut_tokens = chat(stop=[stop])
+    assert cut_text == text[: text.index(stop)]
+    assert len("".join(cut_tokens[:-1])) < len(cut_text) < len("".join(cut_tokens))  # the last starts before the cut
+    assert cut_tokens == tokens[: len(cut_tokens)]
+    assert chat(stream=True, stop=[stop]) == (cut_text, cut_tokens)
+
+
+@pytest.mark.slow
+def test_a_long_prompt_being_tokenized_holds_up_no_other_request(server):
+    """Prompts are encoded off the event loop: /health answers while a 17 MB prompt (seconds to tokenize here)
+    is encoded, and that prompt then gets its own 400."""
+    import threading
+
+    body = json.dumps({"model": "smol", "prompt": "hello world " * 1_400_000, "max_tokens": 1}).encode()
+    answer: dict = {}
+
+    def post() -> None:
+        request = urllib.request.Request(server + "/v1/completions", data=body, method="POST", headers={
+            "Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(request, timeout=300)
+        except urllib.error.HTTPError as exc:
+            answer.update(status=exc.code, body=json.loads(exc.read()))
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    waits = []
+    while thread.is_alive():
+        start = time.monotonic()
+        assert urllib.request.urlopen(server + "/health", timeout=60).status == 200
+        waits.append(time.monotonic() - start)
+        time.sleep(0.1)
+    thread.join()
+    assert answer["status"] == 400 and answer["body"]["error"]["code"] == "context_length_exceeded", answer
+    assert len(waits) >= 3 and max(waits) < 2.0, waits
 
 
 @pytest.mark.slow
@@ -391,10 +463,11 @@ def test_sigterm_with_requests_in_flight_exits_0_within_the_drain_timeout():
     code, seconds, out = stop_server(proc)
     assert code == 0, out
     assert seconds < 4 + 10, out  # the drain timeout, plus the exit
-    reasons = []
-    for stream in streams:
-        reasons += [c.choices[0].finish_reason for c in stream if c.choices and c.choices[0].finish_reason]
-    assert reasons == ["abort"] * 3  # cut at the timeout, and told so
+    for stream in streams:  # cut at the timeout, and told so: not a complete answer
+        with pytest.raises(openai.APIError, match="cut short") as caught:
+            for _ in stream:
+                pass
+        assert caught.value.body["code"] == "unavailable"
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(base + "/health", timeout=5)  # the port is closed
 

@@ -334,7 +334,7 @@ def response_body(request: Request, output: Any, tokens: TokenText, model: str, 
         logprobs = None
         if request.logprobs is not None and sample.logprobs is not None:
             build = _chat_logprobs if chat else _completion_logprobs
-            logprobs = build(sample.logprobs, request.logprobs, tokens)
+            logprobs = build(sample.logprobs[: sample.shown_tokens], request.logprobs, tokens)
         choice: dict[str, Any] = {"index": sample.sample_index}
         if chat:
             choice["message"] = {"role": "assistant", "content": sample.text, "refusal": None}

@@ -49,9 +49,8 @@ class Results:
         self._complete(RequestOutput(index=position, error=message))
 
     def finished(self, req: Req) -> None:
-        text = req.text if req.text is not None else self.decode(req.text_ids)
         samples = self._samples.setdefault(req.index, [])
-        samples.append(SampleOutput.from_req(req, text))
+        samples.append(SampleOutput.from_req(req, self.decode))
         if len(samples) < req.sampling.n:
             return
         del self._samples[req.index]

@@ -6,16 +6,19 @@ aiohttp's ``AppRunner`` installs no signal handlers of its own, so SIGTERM drain
 from __future__ import annotations
 
 import asyncio
+import bisect
 import hmac
 import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
 
+from runtime.batch import Req
 from runtime.config import ServerSection
 from runtime.frontend import openai_api as api
 from runtime.frontend.llm import LLM
@@ -23,7 +26,7 @@ from runtime.frontend.metrics import Metrics
 from runtime.frontend.results import RequestOutput
 from runtime.frontend.serving import Call, Serving
 from runtime.frontend.tokenizer import IncrementalDetokenizer, load_tokenizer
-from runtime.output import SampleOutput
+from runtime.output import SampleOutput, shown_tokens
 
 DISCONNECT_POLL_S = 1.0
 HANDLER_GRACE_S = 5.0  # at shutdown, in-flight responses get this long to finish
@@ -32,13 +35,23 @@ log = logging.getLogger("tpinfer.server")
 
 @dataclass
 class ServerState:
+    """``llm.tokenizer`` encodes prompts on the ``prompts`` thread, so a long prompt holds up no other request;
+    the event loop decodes with its own ``tokenizer`` (a fast tokenizer used on two threads fails)."""
+
     llm: LLM
     serving: Serving
     cfg: ServerSection
     model: str
-    tokens: api.TokenText
+    tokenizer: Any
     metrics: Metrics
+    prompts: ThreadPoolExecutor
     accepting: bool = True
+
+    def __post_init__(self) -> None:
+        self.tokens = api.TokenText(self.tokenizer)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
 
 STATE = web.AppKey("state", ServerState)
@@ -72,6 +85,7 @@ def build_app(state: ServerState) -> web.Application:
     app = web.Application(middlewares=[_errors_and_auth], client_max_size=64 << 20)
     app[STATE] = state
     app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model:.+}", _model)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_get("/health", _health)
@@ -80,10 +94,21 @@ def build_app(state: ServerState) -> web.Application:
 
 
 async def _models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_entry(request.app[STATE])]})
+
+
+async def _model(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response({"object": "list", "data": [
-        {"id": state.model, "object": "model", "created": int(state.metrics.started), "owned_by": "tpinfer",
-         "max_model_len": state.llm.engine.max_seq_len}]})
+    name = request.match_info["model"]
+    if name != state.model:
+        return _error(404, f"the model {name!r} does not exist; this server serves {state.model!r}",
+                      "model_not_found", "model")
+    return web.json_response(_model_entry(state))
+
+
+def _model_entry(state: ServerState) -> dict[str, Any]:
+    return {"id": state.model, "object": "model", "created": int(state.metrics.started), "owned_by": "tpinfer",
+            "max_model_len": state.llm.engine.max_seq_len}
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -119,13 +144,8 @@ async def _complete(request: web.Request, url: str) -> web.StreamResponse:
         if spec.model is not None and spec.model != state.model:
             return _error(404, f"the model {spec.model!r} does not exist; this server serves {state.model!r}",
                           "model_not_found", "model")
-        reqs, prompt_tokens = [], 0
-        for prompt in prompts:
-            group = state.llm.make_requests(prompt, sampling)
-            api.check_context(spec, group[0].prompt_len, state.llm.engine.max_seq_len)
-            state.llm.scheduler.check(group[0])
-            reqs += group
-            prompt_tokens += group[0].prompt_len
+        reqs, prompt_tokens = await asyncio.get_running_loop().run_in_executor(
+            state.prompts, _make_requests, state.llm, prompts, sampling, spec)
     except api.RequestError as exc:
         return _error(400, str(exc), exc.code, exc.param)
     except ValueError as exc:
@@ -145,11 +165,22 @@ async def _complete(request: web.Request, url: str) -> web.StreamResponse:
         return web.Response(status=499)
     if call.cut:
         return _error(503, "the request was cut short: the server is shutting down", "unavailable")
-    samples = [replace(SampleOutput.from_req(r, _final_text(state.llm, r)), sample_index=i)
-               for i, r in enumerate(call.reqs)]
+    samples = [replace(SampleOutput.from_req(r, state.decode), sample_index=i) for i, r in enumerate(call.reqs)]
     output = RequestOutput(index=0, prompt_tokens=prompt_tokens, outputs=samples)
     return web.json_response(api.response_body(spec, output, state.tokens, state.model, created, key),
                              dumps=_dumps)
+
+
+def _make_requests(llm: LLM, prompts: list[Any], sampling: Any, spec: api.Request) -> tuple[list[Any], int]:
+    """Encode (and render) the prompts and check that they fit; on the prompts thread."""
+    reqs, prompt_tokens = [], 0
+    for prompt in prompts:
+        group = llm.make_requests(prompt, sampling)
+        api.check_context(spec, group[0].prompt_len, llm.engine.max_seq_len)
+        llm.scheduler.check(group[0])
+        reqs += group
+        prompt_tokens += group[0].prompt_len
+    return reqs, prompt_tokens
 
 
 def _gone(request: web.Request) -> bool:
@@ -162,10 +193,6 @@ async def _wait(request: web.Request, state: ServerState, call: Call) -> bool:
         if not await _wait_changed(request, state, call):
             return False
     return True
-
-
-def _final_text(llm: LLM, req: Any) -> str:
-    return req.text if req.text is not None else llm._decode(req.text_ids)
 
 
 def visible_end(text: str, start: int, stops: list[str]) -> int:
@@ -183,35 +210,54 @@ def visible_end(text: str, start: int, stops: list[str]) -> int:
 
 
 class _ChoiceStream:
-    """One choice's progress through a stream."""
+    """One choice's progress through a stream. A token's logprob entry goes out with its text: one whose text is
+    held back (it may start a stop string) keeps its entry back too."""
 
-    def __init__(self, llm: LLM, req: Any) -> None:
-        self.llm, self.req = llm, req
-        self.detok = IncrementalDetokenizer(llm.tokenizer) if llm.tokenizer is not None else None
-        self.tokens_sent = 0
-        self.chars_sent = 0
+    def __init__(self, state: ServerState, req: Req) -> None:
+        self.req, self.decode = req, state.decode
+        self.detok = IncrementalDetokenizer(state.tokenizer) if state.tokenizer is not None else None
+        params = req.sampling
+        self.hidden = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else state.llm.eos_ids)
+        # With logprobs and stop strings: where each token's text starts, to hold back its entry with its text.
+        self.starts: list[int] | None = [] if req.output_logprobs is not None and params.stop and self.detok else None
+        self.tokens_sent = self.entries_sent = self.chars_sent = 0
         self.offsets = api.TextOffsets()  # the tokens' text offsets (completions logprobs), across chunks
         self.done = False
 
     def advance(self) -> tuple[str, list[Any] | None, str | None, int]:
-        """(new text, logprob entries of the new tokens, finish reason or None, new tokens)."""
+        """(new text, logprob entries of the tokens it shows, finish reason or None, new tokens)."""
         req = self.req
         reason = req.finish_reason  # read first: once it is set, every token is there
         count = len(req.output_ids)
-        if reason is None and count > self.tokens_sent and req.output_ids[count - 1] in req.sampling.stop_token_ids:
-            count -= 1  # a stop token whose finish is being set: its text is never output
+        if reason is None and count > self.tokens_sent and req.output_ids[count - 1] in self.hidden:
+            count -= 1  # an EOS or stop token whose finish is being set: its text is never output
         new = req.output_ids[self.tokens_sent : count]
-        entries = req.output_logprobs[self.tokens_sent : count] if req.output_logprobs is not None else None
         self.tokens_sent = count
+        shown = count
         if reason is not None:
             self.done = True
-            text = _final_text(self.llm, req)[self.chars_sent :]
+            text = (req.text if req.text is not None else self.decode(req.text_ids))[self.chars_sent :]
+            if req.output_logprobs is not None:
+                shown = shown_tokens(req, self.decode)
         elif self.detok is not None and new:
-            self.detok.extend(new)
+            if self.starts is None:
+                self.detok.extend(new)
+            else:
+                for token in new:
+                    self.starts.append(len(self.detok.text))
+                    self.detok.push(token)
             full = self.detok.text
-            text = full[self.chars_sent : visible_end(full, self.chars_sent, req.sampling.stop)]
+            end = visible_end(full, self.chars_sent, req.sampling.stop)
+            text = full[self.chars_sent : end]
+            if self.starts is not None:
+                shown = bisect.bisect_left(self.starts, end)  # the tokens that start before the visible end
         else:
             text = ""
+        entries = None
+        if req.output_logprobs is not None:
+            shown = max(shown, self.entries_sent)
+            entries = req.output_logprobs[self.entries_sent : shown]
+            self.entries_sent = shown
         self.chars_sent += len(text)
         return text, entries, reason, len(new)
 
@@ -238,7 +284,7 @@ def _text_chunk_template(spec: api.Request, key: str, model: str, created: int, 
 async def _stream(request: web.Request, state: ServerState, call: Call, spec: api.Request, key: str,
                   created: int) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    choices = [_ChoiceStream(state.llm, r) for r in call.reqs]
+    choices = [_ChoiceStream(state, r) for r in call.reqs]
     interval = state.cfg.stream_interval_ms / 1000
     plain = [_text_chunk_template(spec, key, state.model, created, i) for i in range(len(choices))]
     try:
@@ -250,16 +296,26 @@ async def _stream(request: web.Request, state: ServerState, call: Call, spec: ap
             if not await _wait_changed(request, state, call):
                 return response
             out = bytearray()
+            cut = False
             for i, choice in enumerate(choices):
                 if choice.done:
                     continue
                 text, entries, reason, new = choice.advance()
-                if reason is None and not entries and new:
+                if reason == "abort":  # not a finish reason OpenAI clients know: the stream ends in an error
+                    cut = True
+                elif reason is None and not entries and new:
                     head, tail = plain[i]
                     out += head + _dumps(text).encode() + tail
                 elif new or reason:
                     piece = api.chunk_choice(spec, i, text, reason, entries, state.tokens, choice.offsets)
                     out += _event(api.chunk(spec, key, state.model, created, [piece]))
+            if cut:
+                # OpenAI's clients raise an APIError on an error event; no [DONE]: the answer is not complete.
+                out += _event(api.error_body("the request was cut short: the server is shutting down", "unavailable",
+                                             kind="server_error"))
+                await response.write(bytes(out))
+                await response.write_eof()
+                return response
             if out:
                 await response.write(bytes(out))
             if all(c.done for c in choices):
@@ -303,7 +359,9 @@ async def run_server(llm: LLM, cfg: ServerSection) -> int:
     metrics = Metrics(llm)
     serving = Serving(llm, metrics.observer())
     metrics.watch(serving)
-    state = ServerState(llm, serving, cfg, served_model_name(llm, cfg), api.TokenText(llm.tokenizer), metrics)
+    prompts = ThreadPoolExecutor(1, thread_name_prefix="tpinfer-prompts")
+    state = ServerState(llm, serving, cfg, served_model_name(llm, cfg), load_tokenizer(llm.model_dir), metrics,
+                        prompts)
     runner = web.AppRunner(build_app(state), access_log=None, handle_signals=False,
                            shutdown_timeout=HANDLER_GRACE_S)
     await runner.setup()
@@ -328,6 +386,7 @@ async def run_server(llm: LLM, cfg: ServerSection) -> int:
     finally:
         serving.stop()
         await runner.cleanup()
+        prompts.shutdown(wait=False, cancel_futures=True)
     if serving.error is not None:
         raise RuntimeError(f"the step loop failed: {type(serving.error).__name__}: {serving.error}")
     return 0
