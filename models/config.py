@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,13 +20,18 @@ SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 # transformers' values for keys a config.json may leave out, where a family's differ from Llama's.
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"max_position_embeddings": 2048},
-    "MistralForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096},
-    "MixtralForCausalLM": {"max_position_embeddings": 131072, "rope_theta": 1e6, "rms_norm_eps": 1e-5},
-    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096},
-    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096},
-    "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096},
+    "MistralForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096, "num_key_value_heads": 8},
+    "MixtralForCausalLM": {"max_position_embeddings": 131072, "rope_theta": 1e6, "rms_norm_eps": 1e-5,
+                           "num_key_value_heads": 8, "num_experts": 8, "num_experts_per_tok": 2},
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096, "num_key_value_heads": 32},
+    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096, "num_key_value_heads": 32,
+                         "head_dim": 128},
+    "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096, "num_key_value_heads": 4,
+                            "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768},
 }
-_LLAMA_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "sliding_window": None}
+# None: derived (num_key_value_heads: num_attention_heads, head_dim: hidden_size / num_attention_heads).
+_LLAMA_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "sliding_window": None, "num_key_value_heads": None,
+                   "head_dim": None}
 # Older config.json files name only the model_type; anything unknown must not load as Llama.
 _ARCH_OF_MODEL_TYPE = {"llama": ["LlamaForCausalLM"], "mistral": ["MistralForCausalLM"],
                        "qwen2": ["Qwen2ForCausalLM"], "qwen3": ["Qwen3ForCausalLM"],
@@ -133,15 +139,15 @@ class ModelConfig:
                 scaling = None
         family = dict(FAMILIES[arch])
         if family.get("moe"):
-            family.update(_moe_fields(cfg, arch))
+            family.update(_moe_fields(cfg, arch, get))
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            num_kv_heads=int(get("num_key_value_heads") or num_heads),
+            head_dim=int(get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(get("rms_norm_eps")),
             rope_theta=rope_theta,
             rope_scaling=dict(scaling) if scaling else None,
@@ -193,16 +199,18 @@ def tp_problem(cfg: ModelConfig, tp: int) -> str | None:
     return next((not_divisible(key, size, tp) for key, size in widths if size % tp), None)
 
 
-def _moe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+def _moe_fields(cfg: dict[str, Any], arch: str, get: Callable[[str], Any]) -> dict[str, Any]:
     """Mixtral: every layer sparse, experts as wide as intermediate_size, top-k renormalised. Qwen3-MoE: layers
     sparse every ``decoder_sparse_step`` but ``mlp_only_layers``, experts of ``moe_intermediate_size``."""
     layers = int(cfg["num_hidden_layers"])
-    top_k = int(cfg["num_experts_per_tok"])
-    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers writes either name
+    top_k = int(get("num_experts_per_tok"))
+    # Either name, for either family, as transformers reads them.
+    named = [cfg[key] for key in ("num_experts", "num_local_experts") if cfg.get(key) is not None]
+    experts = int(named[0] if named else get("num_experts") or 0)
     if arch == "MixtralForCausalLM":
         inter, renormalize, sparse = int(cfg["intermediate_size"]), True, tuple(range(layers))
     else:
-        inter = int(cfg["moe_intermediate_size"])
+        inter = int(get("moe_intermediate_size"))
         renormalize = bool(cfg.get("norm_topk_prob", False))
         step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or [])
         sparse = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)

@@ -178,20 +178,41 @@ def test_keys_a_config_leaves_out_take_transformers_defaults_for_its_family():
 
     from models.config import ModelConfig
 
-    bare = {k: v for k, v in COMMON.items() if k not in ("max_position_embeddings", "rms_norm_eps", "rope_theta")}
+    left_out = ("max_position_embeddings", "rms_norm_eps", "rope_theta", "num_key_value_heads")
+    bare = {k: v for k, v in COMMON.items() if k not in left_out}
     for arch, model_type in (("LlamaForCausalLM", "llama"), ("MixtralForCausalLM", "mixtral"),
                              ("Qwen2ForCausalLM", "qwen2"), ("Qwen3ForCausalLM", "qwen3"),
-                             ("MistralForCausalLM", "mistral")):
-        extra = {"num_local_experts": 4, "num_experts_per_tok": 2} if arch == "MixtralForCausalLM" else {}
-        extra |= {"sliding_window": None} if arch == "MistralForCausalLM" else {}
+                             ("Qwen3MoeForCausalLM", "qwen3_moe"), ("MistralForCausalLM", "mistral")):
+        extra = {"sliding_window": None} if arch == "MistralForCausalLM" else {}
         cfg = {**bare, "num_hidden_layers": 2, "architectures": [arch], "model_type": model_type, **extra}
         ours = ModelConfig.from_dict(cfg)
         theirs = AutoConfig.for_model(**cfg)
         theta = getattr(theirs, "rope_theta", None) or theirs.rope_parameters["rope_theta"]
-        assert (ours.rope_theta, ours.rms_norm_eps, ours.max_position_embeddings) == (
-            theta, theirs.rms_norm_eps, theirs.max_position_embeddings), arch
+        # What HF's attention layers build: a head_dim attribute, else hidden_size / heads.
+        head_dim = getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads
+        assert (ours.rope_theta, ours.rms_norm_eps, ours.max_position_embeddings, ours.head_dim, ours.num_kv_heads) == (
+            theta, theirs.rms_norm_eps, theirs.max_position_embeddings, head_dim, theirs.num_key_value_heads), arch
+        if ours.is_moe:
+            assert (ours.num_experts, ours.experts_per_token) == (theirs.num_experts, theirs.num_experts_per_tok), arch
+            if arch == "Qwen3MoeForCausalLM":
+                assert ours.moe_intermediate_size == theirs.moe_intermediate_size
     with pytest.raises(ValueError, match=r"sliding_window=4096 \(transformers' default for MistralForCausalLM\)"):
         ModelConfig.from_dict({**bare, "num_hidden_layers": 2, "architectures": ["MistralForCausalLM"]})
+
+
+def test_qwen3_without_head_dim_matches_hf(tmp_path):
+    """Qwen3Config's head_dim defaults to 128, not hidden_size / heads (32 here)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    path = _save_random(Qwen3ForCausalLM, Qwen3Config(**COMMON, head_dim=128), tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    del config["head_dim"]
+    (path / "config.json").write_text(json.dumps(config))
+    prompts = _prompts(6)
+    with torch.no_grad():
+        ref = [_hf(path)(torch.tensor([p])).logits[0] for p in prompts]
+    for ours, theirs in zip(prefill_logits(make_engine(path), prompts), ref):
+        assert relative_error(ours, theirs) <= 1e-5
 
 
 @pytest.mark.parametrize("name,arch,flags,params_b", [
