@@ -127,16 +127,7 @@ class ModelConfig:
                              "(dense attention only)")
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        # transformers 5 folds rope_theta/rope_scaling into rope_parameters; older files have both at top level.
-        rope_params = cfg.get("rope_parameters") or {}
-        rope_theta = float(cfg.get("rope_theta", rope_params.get("rope_theta", defaults["rope_theta"])))
-        scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
-        if scaling is not None:
-            kind = scaling.get("rope_type", scaling.get("type"))
-            if kind not in ("llama3", "default"):
-                raise ValueError(f"rope_scaling type {kind!r} is not supported (only 'llama3')")
-            if kind == "default":
-                scaling = None
+        rope_theta, scaling = _rope(cfg, get, max_positions, source)
         family = dict(FAMILIES[arch])
         if family.get("moe"):
             family.update(_moe_fields(cfg, arch, get))
@@ -150,7 +141,7 @@ class ModelConfig:
             head_dim=int(get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(get("rms_norm_eps")),
             rope_theta=rope_theta,
-            rope_scaling=dict(scaling) if scaling else None,
+            rope_scaling=scaling,
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
@@ -229,6 +220,32 @@ _CT_STRATEGIES = ("channel", "tensor", "block")
 
 def _unsupported(source: str, field: str, value: Any, why: str = "") -> ValueError:
     return ValueError(f"{source}: {field}={value!r} is not supported{why}; {_SUPPORTED}")
+
+
+_LLAMA3_FACTORS = ("factor", "low_freq_factor", "high_freq_factor")
+
+
+def _rope(cfg: dict[str, Any], get: Callable[[str], Any], max_positions: int,
+          source: str) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, llama3 scaling or None), read as transformers 5 reads them: one dict, ``rope_scaling`` (older
+    files) before ``rope_parameters``, whose rope_theta wins over the top-level key (only its default). llama3
+    needs its three factors; its pre-training length is a top-level original_max_position_embeddings, else the
+    dict's, else max_position_embeddings."""
+    key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    rope = cfg.get(key) or {}
+    theta = float(rope.get("rope_theta") or get("rope_theta"))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ValueError(f"{source}: {key} rope_type {kind!r} is not supported (only 'default' and 'llama3')")
+    missing = [name for name in _LLAMA3_FACTORS if rope.get(name) is None]
+    if missing:
+        raise ValueError(f"{source}: {key} of rope_type 'llama3' lacks {', '.join(missing)}; add them (Llama 3.1: "
+                         "factor 8.0, low_freq_factor 1.0, high_freq_factor 4.0)")
+    original = next((v for v in (cfg.get("original_max_position_embeddings"),
+                                 rope.get("original_max_position_embeddings")) if v is not None), max_positions)
+    return theta, {**rope, "original_max_position_embeddings": int(original)}
 
 
 def _sliding_layers(cfg: dict[str, Any], arch: str) -> tuple[list[int], str]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 from transformers import LlamaForCausalLM
@@ -62,3 +65,41 @@ def test_decode_steps_match_hf(tiny_llama_dir):
     ours = prefill_logits(make_engine(tiny_llama_dir), prompts, chunk=5, decode_tail=6)
     for o, r in zip(ours, ref):
         assert relative_error(o, r) <= TOL
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_scaling": {"rope_type": "default", "rope_theta": 1e6}},  # a legacy key, theta inside it
+    {"rope_theta": 1e4, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},  # the dict's theta wins
+    {"rope_parameters": {**LLAMA3, "rope_theta": 5e5}},  # pre-training length: max_position_embeddings
+    # transformers puts a top-level original_max_position_embeddings before the dict's
+    {"original_max_position_embeddings": 512,
+     "rope_parameters": {**LLAMA3, "rope_theta": 5e5, "original_max_position_embeddings": 256}},
+])
+def test_rope_keys_are_read_as_hf_reads_them(tiny_llama_dir, tmp_path, rope):
+    model_dir = shutil.copytree(tiny_llama_dir, tmp_path / "model")
+    config = json.loads((model_dir / "config.json").read_text())
+    for key in ("rope_theta", "rope_scaling", "rope_parameters"):
+        config.pop(key, None)
+    (model_dir / "config.json").write_text(json.dumps(config | rope))
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (6, 400)]
+    ref = hf_logits(model_dir, prompts)
+    for o, r in zip(prefill_logits(make_engine(model_dir), prompts), ref):
+        assert relative_error(o, r) <= TOL
+
+
+def test_llama3_rope_without_its_factors_is_refused_naming_them():
+    from transformers import LlamaConfig
+
+    from models.config import ModelConfig
+
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 64, "intermediate_size": 64,
+              "num_hidden_layers": 1, "num_attention_heads": 4, "rope_parameters": {"rope_type": "llama3", "factor": 8.0}}
+    with pytest.raises(KeyError, match="low_freq_factor"):  # transformers refuses it too
+        LlamaConfig.from_dict(config)
+    with pytest.raises(ValueError, match=r"config.json: rope_parameters of rope_type 'llama3' lacks "
+                                         r"low_freq_factor, high_freq_factor; add them"):
+        ModelConfig.from_dict(config)
