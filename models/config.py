@@ -83,6 +83,8 @@ class ModelConfig:
     # "auto" (fp8 when the checkpoint is pre-quantised FP8, else none). A run-time choice (model.quantization).
     quantization: str = "auto"
     checkpoint_fp8: Fp8Checkpoint | None = None  # how a pre-quantised FP8 checkpoint stores its weights
+    sliding_window: int | None = None  # the window transformers slides on some layers; None: dense attention
+    sliding_window_rule: str = ""  # the config file, key and layers that slide it, for errors
 
     @property
     def fp8(self) -> bool:
@@ -95,6 +97,16 @@ class ModelConfig:
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers
+
+    def max_seq_len(self, requested: int) -> int:
+        """The longest sequence served under ``model.max_seq_len=requested``: at most max_position_embeddings. Attention
+        is dense only, which equals a sliding window's wherever no sequence outgrows the window; past it, refused."""
+        length = min(requested, self.max_position_embeddings)
+        if self.sliding_window is not None and length > self.sliding_window:
+            raise ValueError(f"{self.sliding_window_rule} is not supported for sequences longer than the window "
+                             f"(dense attention only; model.max_seq_len={requested} allows {length} tokens): set "
+                             f"model.max_seq_len <= {self.sliding_window}")
+        return length
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -120,11 +132,11 @@ class ModelConfig:
         max_positions = int(get("max_position_embeddings"))
         window = get("sliding_window")
         sliding, why = _sliding_layers(cfg, arch)
-        if window not in (None, 0) and sliding and window < max_positions:
-            # A window no shorter than the context changes nothing; a real one needs masking we lack.
+        if window in (0, None) or not sliding:
+            window, window_rule = None, ""
+        else:
             said = "" if "sliding_window" in cfg else f" (transformers' default for {arch})"
-            raise ValueError(f"sliding_window={window}{said} on layers {_ranges(sliding)} ({why}) is not supported "
-                             "(dense attention only)")
+            window_rule = f"{source}: sliding_window={window}{said} on layers {_ranges(sliding)} ({why})"
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         rope_theta, scaling = _rope(cfg, get, max_positions, source)
@@ -148,6 +160,8 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
             architecture=arch,
+            sliding_window=window,
+            sliding_window_rule=window_rule,
             checkpoint_fp8=checkpoint_fp8,
             **family,
         )

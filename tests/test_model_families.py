@@ -123,16 +123,16 @@ def test_family_config_rules():
     with pytest.raises(ValueError, match="GemmaForCausalLM.*Qwen3ForCausalLM"):
         ModelConfig.from_dict({**base, "architectures": ["GemmaForCausalLM"]})
     with pytest.raises(ValueError, match="sliding_window=512"):
-        ModelConfig.from_dict({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 512})
+        ModelConfig.from_dict({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 512}).max_seq_len(1024)
     qwen2 = ModelConfig.from_dict({**base, "model_type": "qwen2", "sliding_window": 512, "use_sliding_window": False})
     assert (qwen2.architecture, qwen2.qkv_bias, qwen2.qk_norm) == ("Qwen2ForCausalLM", True, False)
     big_window = ModelConfig.from_dict({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 4096})
-    assert big_window.architecture == "MistralForCausalLM"  # no shorter than the context: plain attention
+    assert big_window.max_seq_len(8192) == 1024  # no shorter than the context: plain attention
     no_layer_slides = {**base, "model_type": "qwen2", "sliding_window": 512, "use_sliding_window": True,
                        "max_window_layers": 1}
-    assert ModelConfig.from_dict(no_layer_slides).qkv_bias
+    assert ModelConfig.from_dict(no_layer_slides).max_seq_len(1024) == 1024
     with pytest.raises(ValueError, match=r"sliding_window=512 on layers 0 \(use_sliding_window from max_window"):
-        ModelConfig.from_dict({**no_layer_slides, "max_window_layers": 0})
+        ModelConfig.from_dict({**no_layer_slides, "max_window_layers": 0}).max_seq_len(1024)
     with pytest.raises(ValueError, match="hidden_act='gelu' is not supported"):
         ModelConfig.from_dict({**base, "architectures": ["LlamaForCausalLM"], "hidden_act": "gelu"})
 
@@ -166,11 +166,14 @@ def test_a_config_is_refused_exactly_when_transformers_would_slide_a_window(arch
     window = getattr(theirs, "sliding_window", None)
     kinds = getattr(theirs, "layer_types", None) or ["sliding_attention"] * cfg["num_hidden_layers"]
     slides = model_type != "llama" and window is not None and "sliding_attention" in kinds
+    ours = ModelConfig.from_dict(cfg)
+    assert ours.sliding_window == (window if slides else None)
     if slides:
-        with pytest.raises(ValueError, match=f"sliding_window={window}"):
-            ModelConfig.from_dict(cfg)
+        with pytest.raises(ValueError, match=f"sliding_window={window}.*set model.max_seq_len <= {window}"):
+            ours.max_seq_len(8192)
+        assert ours.max_seq_len(window) == window
     else:
-        assert ModelConfig.from_dict(cfg).architecture == arch
+        assert ours.max_seq_len(8192) == 8192
 
 
 def test_keys_a_config_leaves_out_take_transformers_defaults_for_its_family():
@@ -197,7 +200,22 @@ def test_keys_a_config_leaves_out_take_transformers_defaults_for_its_family():
             if arch == "Qwen3MoeForCausalLM":
                 assert ours.moe_intermediate_size == theirs.moe_intermediate_size
     with pytest.raises(ValueError, match=r"sliding_window=4096 \(transformers' default for MistralForCausalLM\)"):
-        ModelConfig.from_dict({**bare, "num_hidden_layers": 2, "architectures": ["MistralForCausalLM"]})
+        ModelConfig.from_dict({**bare, "num_hidden_layers": 2, "architectures": ["MistralForCausalLM"]}).max_seq_len(8192)
+
+
+def test_a_sliding_window_no_shorter_than_max_seq_len_serves_hfs_logits(tmp_path):
+    """Within its window a sliding window masks nothing: served as dense attention, refused only past it."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    path = _save_random(MistralForCausalLM, MistralConfig(**COMMON, sliding_window=32), tmp_path)
+    prompts = _prompts(7, (5, 32))
+    with torch.no_grad():
+        ref = [_hf(path)(torch.tensor([p])).logits[0] for p in prompts]
+    for ours, theirs in zip(prefill_logits(make_engine(path, "model.max_seq_len=32"), prompts), ref):
+        assert relative_error(ours, theirs) <= 1e-5
+    with pytest.raises(ValueError, match=r"config.json: sliding_window=32 on layers 0-1 \(every layer\) is not "
+                                         r"supported .*: set model.max_seq_len <= 32$"):
+        make_engine(path, "model.max_seq_len=33")
 
 
 def test_qwen3_without_head_dim_matches_hf(tmp_path):

@@ -22,7 +22,15 @@ from runtime.config import ConfigError
 from runtime.frontend import job as job_module
 from runtime.frontend import sweep
 from runtime.frontend.job_files import JsonlAppender
-from runtime.frontend.sweep_plan import PlotSpec, Sweep, load_sweep_file, plan_runs, shorthand_sweep, split_top_level
+from runtime.frontend.sweep_plan import (
+    PlotSpec,
+    Sweep,
+    check_layout,
+    load_sweep_file,
+    plan_runs,
+    shorthand_sweep,
+    split_top_level,
+)
 from runtime.frontend.sweep_results import write_plot
 from tests.conftest import make_tiny_text_llama
 from tests.test_slurm_live import slurm, tiny_model  # noqa: F401 - fixtures (a local Slurm cluster, its model)
@@ -376,6 +384,21 @@ def test_slurm_flag_checks_the_model_splits_over_the_templates_gpus(default_mode
     assert sweep.main([*one_group, "--nproc-per-node", "3"]) == 0  # 9 heads over 3 ranks
     assert sweep.main([*one_group, "--nproc-per-node", "2"]) == 2
     assert "num_attention_heads=9 is not divisible by tensor-parallel size 2" in capsys.readouterr().err
+
+
+def test_a_sweep_is_refused_at_start_for_a_run_longer_than_its_models_sliding_window(tmp_path):
+    model = tmp_path / "mistral"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["MistralForCausalLM"], "vocab_size": 64, "hidden_size": 64, "intermediate_size": 64,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 1024, "sliding_window": 64}))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"id": 0, "prompt": [1, 2]}\n')
+    file = write_sweep(tmp_path / "s" / "sweep.yaml", model, rows, grid={"model.max_seq_len": [64, 65]})
+    runs = plan_runs(load_sweep_file(file))
+    check_layout(runs[:1], 1, "sweep.yaml")  # within the window
+    with pytest.raises(ConfigError, match=r"sweep.yaml: run .*sliding_window=64 .*set model.max_seq_len <= 64"):
+        check_layout(runs, 1, "sweep.yaml")
 
 
 def test_a_sweep_is_refused_at_start_for_a_missing_model_or_a_fixed_output_file(model_dir, rows, tmp_path, capsys):

@@ -93,7 +93,7 @@ class Engine:
         if on_gpu and self.kv_dtype == fp8.FP8:
             _check_fp8_gpu(self.device, self.dtype, "cache.dtype=fp8_e4m3")
         self.stream = torch.cuda.Stream(self.device) if on_gpu else None
-        self.max_seq_len = min(cfg.model.max_seq_len, model_config.max_position_embeddings)
+        self.max_seq_len = model_config.max_seq_len(cfg.model.max_seq_len)
         self.page_size = cfg.cache.page_size
         self.max_pages_per_req = -(-self.max_seq_len // self.page_size)
         self.max_running = cfg.scheduler.max_running_requests

@@ -297,9 +297,9 @@ class LayoutError(ConfigError):
 
 
 def check_layout(runs: list[Run], world_size: int, source: str) -> None:
-    """Every run's TP size divides the world, and its model is there, is supported and splits over its TP group: a
-    sweep, or a Slurm array, is refused at the start rather than failing run by run. Prepares the default model
-    when a run uses it (so array tasks on nodes without internet find it ready)."""
+    """Every run's TP size divides the world, and its model is there, is supported (at the run's model.max_seq_len)
+    and splits over its TP group: a sweep, or a Slurm array, is refused at the start rather than failing run by run.
+    Prepares the default model when a run uses it (so array tasks on nodes without internet find it ready)."""
     from models.config import ModelConfig, tp_problem
     from models.weights.default_model import resolve_model_path
 
@@ -312,6 +312,7 @@ def check_layout(runs: list[Run], world_size: int, source: str) -> None:
         try:
             if path not in configs:
                 configs[path] = ModelConfig.from_dir(resolve_model_path(path))
+            configs[path].max_seq_len(run.cfg.model.max_seq_len)
         except (FileNotFoundError, ValueError) as exc:
             raise ConfigError(f"{source}: run {run.described}: {exc}") from None
         problem = tp_problem(configs[path], tp)
