@@ -28,15 +28,12 @@ def clean_up_tokenization_spaces(model_dir: Path) -> bool:
 
 
 def eos_token_ids(model_dir: Path, tokenizer: Any) -> set[int]:
-    """Every EOS id of the model: generation_config.json's (an int or a list) and the tokenizer's."""
-    ids: set[int] = set()
+    """Every EOS id of the model: generation_config.json's (an int or a list), or without that file config.json's, as
+    transformers' generate reads them; and the tokenizer's."""
     gen = model_dir / "generation_config.json"
-    if gen.is_file():
-        value = json.loads(gen.read_text()).get("eos_token_id")
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(int(v) for v in value)
+    source = gen if gen.is_file() else model_dir / "config.json"
+    value = json.loads(source.read_text()).get("eos_token_id") if source.is_file() else None
+    ids = {int(v) for v in (value if isinstance(value, list) else [value]) if isinstance(v, int)}
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return ids
