@@ -157,16 +157,22 @@ class _Linear(nn.Module):
         copy_into(self.weight_scale.data[rows], scale)
 
 
+def vocab_shard(vocab_size: int) -> tuple[int, int, int]:
+    """(shard size, first row, end row) of this rank's vocab rows: ``ceil(vocab / tp)`` rows a rank, the last
+    shard zero-padded."""
+    tp = get_tp()
+    size = -(-vocab_size // tp.size)
+    start = tp.rank * size
+    return size, start, min(start + size, vocab_size)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Each rank holds ``ceil(vocab / tp)`` rows; ids outside the shard embed to zero before the all-reduce."""
 
     def __init__(self, vocab_size: int, dim: int) -> None:
         super().__init__()
-        tp = get_tp()
         self.vocab_size = vocab_size
-        self.shard_size = -(-vocab_size // tp.size)  # the last shard is zero-padded
-        self.start = tp.rank * self.shard_size
-        self.end = min(self.start + self.shard_size, vocab_size)
+        self.shard_size, self.start, self.end = vocab_shard(vocab_size)
         self.weight = new_param(self.shard_size, dim, loader=self._load)
 
     def _load(self, param: torch.Tensor, source: SliceSource, shard_id: Any = None) -> None:

@@ -89,6 +89,15 @@ def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any TP rank: a decision each rank takes from its own slice, made by all alike."""
+    if _tp.size == 1:
+        return flag
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_cpu_group)
+    return bool(t.item())
+
+
 def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight)`` summed over the TP ranks (row-parallel layers)."""
     comm = _custom_all_reduce

@@ -5,6 +5,7 @@ do not fit their config fail at load naming every tensor that is wrong."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -367,3 +368,59 @@ def test_checkpoint_missing_many_tensors_names_every_one_in_layer_order(tmp_path
     assert "wrong shape: model.layers.3.mlp.down_proj.weight is (96, 190) in model.safetensors, expected (96, 192)" in msg
     assert "wrong shape: model.norm.weight is (95,)" in msg
     assert f"{len(drop)} missing, 2 with the wrong shape" in msg.splitlines()[0]
+
+
+def _tied_config_with_its_own_head(path: Path, rows_equal: int) -> Path:
+    """A Qwen2 checkpoint holding an lm_head.weight equal to the embedding in its first ``rows_equal`` rows only,
+    under a config.json that ties the two."""
+    from safetensors import safe_open
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    _save_random(Qwen2ForCausalLM, Qwen2Config(**COMMON, tie_word_embeddings=False), path)
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        head, embed = f.get_tensor("lm_head.weight"), f.get_tensor("model.embed_tokens.weight")
+    head[:rows_equal] = embed[:rows_equal]
+    _edit_checkpoint(path, ["lm_head.weight"], {"lm_head.weight": head})
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    return path
+
+
+def _hf_logits(path: Path, prompts: list[list[int]]) -> tuple[bool, list[torch.Tensor]]:
+    """(whether HF tied the LM head to the embedding, its logits)."""
+    model = _hf(path)
+    with torch.no_grad():
+        return (model.lm_head.weight is model.model.embed_tokens.weight,
+                [model(torch.tensor([p])).logits[0] for p in prompts])
+
+
+@pytest.mark.parametrize("rows_equal", [VOCAB // 2, VOCAB])
+def test_a_tied_config_takes_the_checkpoints_own_lm_head_where_hf_does(tmp_path, caplog, rows_equal):
+    path = _tied_config_with_its_own_head(tmp_path, rows_equal)
+    prompts = _prompts(8)
+    hf_tied, ref = _hf_logits(path, prompts)
+    with caplog.at_level(logging.WARNING, logger="models.weights.loader"):
+        engine = make_engine(path)
+    tied = engine.model.lm_head.weight is engine.model.model.embed_tokens.weight
+    assert tied == hf_tied == (rows_equal == VOCAB)
+    assert ("lm_head.weight differs from model.embed_tokens.weight: using the checkpoint's lm_head" in caplog.text) \
+        == (not tied)
+    for ours, theirs in zip(prefill_logits(engine, prompts), ref):
+        assert relative_error(ours, theirs) <= 1e-5
+
+
+def _tie_and_logits(rank: int, path: str, prompts: list[list[int]]) -> tuple[bool, list[torch.Tensor]]:
+    engine = make_engine(path, "cache.page_size=4")
+    return engine.model.config.tie_word_embeddings, prefill_logits(engine, prompts)
+
+
+@pytest.mark.slow
+def test_tp2_unties_the_lm_head_on_every_rank_when_one_shard_differs(tmp_path):
+    """Each rank compares its own vocab shard: rank 0's rows are equal, rank 1's are not; both must untie."""
+    path = _tied_config_with_its_own_head(tmp_path, VOCAB // 2)
+    prompts = _prompts(9)
+    _, ref = _hf_logits(path, prompts)
+    for tied, logits in run_ranks(2, _tie_and_logits, str(path), prompts):
+        assert not tied
+        for ours, theirs in zip(logits, ref):
+            assert relative_error(ours, theirs) <= 1e-5

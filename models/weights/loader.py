@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import re
@@ -18,10 +19,10 @@ from torch import nn
 
 from models import moe
 from models.config import Fp8Checkpoint, ModelConfig
-from models.layers import Fp8Weight, FullTensor, SliceSource, load_replicated
+from models.layers import Fp8Weight, FullTensor, SliceSource, load_replicated, vocab_shard
 from models.llama import LlamaForCausalLM
 from models.ops import TORCH_KERNELS, Kernels
-from parallel import get_tp
+from parallel import any_rank, get_tp
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ KV_SCALES = ("self_attn.k_scale", "self_attn.v_scale")
 # The same scales as AutoFP8 and older llm-compressor releases name them: the output scales of k_proj and v_proj.
 KV_SCALE_ALIASES = {"self_attn.k_proj.output_scale": KV_SCALES[0], "self_attn.v_proj.output_scale": KV_SCALES[1]}
 PER_TENSOR_SHAPES = ((), (1,))
+COMPARED_ROWS = 4096  # rows of the LM head and the embedding held at once while comparing them
 
 
 class TensorInfo(NamedTuple):
@@ -110,12 +112,14 @@ def load_model(
 ) -> LlamaForCausalLM:
     """The model with weights from ``path``'s safetensors, or random ones when ``random_seed`` is given."""
     path = Path(path)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, kernels)
     if random_seed is None:
         files = checkpoint_files(path)
         # Checked from the headers, so a mismatched checkpoint fails before any allocation, in one message.
         index = checkpoint_index(files)
+        cfg = untie_distinct_lm_head(path, index, cfg)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, kernels)
+    if random_seed is None:
         layout = fp8_layout(path, index, cfg.checkpoint_fp8)
         check_checkpoint(path, {n: t for n, t in index.items() if n not in layout.skipped}, model)
     materialize(model, device, dtype)
@@ -166,6 +170,29 @@ def checkpoint_index(files: list[Path]) -> dict[str, TensorInfo]:
                 tensor = f.get_slice(stored)
                 index[name] = TensorInfo(file.name, tuple(tensor.get_shape()), tensor.get_dtype(), stored)
     return index
+
+
+def untie_distinct_lm_head(path: Path, index: dict[str, TensorInfo], cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` untied where config.json ties the LM head to the embedding but the checkpoint holds an lm_head.weight
+    of other values: transformers then warns and uses the checkpoint's head, and so do we. Each rank compares only
+    its vocab shard (what it loads), a block of rows at a time; one flag over the TP group decides for all."""
+    head, embed = index.get("lm_head.weight"), index.get("model.embed_tokens.weight")
+    if not (cfg.tie_word_embeddings and head and embed):
+        return cfg
+    differs = (head.shape, head.dtype) != (embed.shape, embed.dtype)
+    if not differs:
+        _, start, end = vocab_shard(cfg.vocab_size)
+        with open_checkpoint(path / head.file) as h, open_checkpoint(path / embed.file) as e:
+            heads, embeds = h.get_slice(head.stored_as), e.get_slice(embed.stored_as)
+            blocks = (slice(lo, min(lo + COMPARED_ROWS, end)) for lo in range(start, end, COMPARED_ROWS))
+            differs = any(not torch.equal(heads[rows], embeds[rows]) for rows in blocks)
+    if not any_rank(differs):
+        return cfg
+    if get_tp().rank == 0:
+        log.warning("%s: config.json ties the LM head to the embedding (tie_word_embeddings), but the checkpoint's "
+                    "lm_head.weight differs from model.embed_tokens.weight: using the checkpoint's lm_head, as "
+                    "transformers does; set tie_word_embeddings to false in config.json to silence this", path)
+    return dataclasses.replace(cfg, tie_word_embeddings=False)
 
 
 def _current_name(stored: str) -> str:

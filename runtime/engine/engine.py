@@ -129,6 +129,7 @@ class Engine:
             model_dir, model_config, self.device, self.dtype, self.max_seq_len + 1,
             random_seed=cfg.engine.seed if cfg.model.random_weights else None, kernels=kernels,
         )
+        self.model_config = self.model.config  # as loaded: an LM head the checkpoint holds apart is untied
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         log.info(
             "rank %d: weights loaded (%.2f GiB on this rank), peak host memory so far %.2f GiB",
