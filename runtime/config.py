@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Sequence
-from dataclasses import MISSING, dataclass, field, fields, make_dataclass
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass, make_dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
 
@@ -200,7 +200,30 @@ def _explain(exc: OmegaConfBaseException, schema: DictConfig, source: str) -> Co
         return ConfigError(f"{source}: unknown config key '{key}'{hint}")
     if "is not a ListConfig" in msg:  # a scalar for a list key
         return ConfigError(f"{source}: config key '{key}' takes a list, e.g. {key}=[a,b] (in YAML: [a, b])")
+    if msg.startswith("Incompatible value 'None' for field of type "):  # an empty value reads as null
+        kind = msg.rsplit("of type ", 1)[1]
+        leaf = key.rsplit(".", 1)[-1]
+        return ConfigError(f"{source}: config key '{key}' needs a value of type {kind}, e.g. {key}=VALUE; an empty one "
+                           f"('{key}=', or '{leaf}:' with nothing after it in YAML) is null")
     return ConfigError(f"{source}: invalid value for config key '{key}': {msg}")
+
+
+def _check_sections(layer: DictConfig, schema: DictConfig, source: str, prefix: str = "") -> None:
+    """Where ``schema`` has a section: an empty one (YAML ``sampling:`` with its keys commented out) sets nothing and
+    is dropped from ``layer``; a value that is not a mapping is refused by name (omegaconf's merge error names no key)."""
+    for key, value in OmegaConf.to_container(layer, resolve=False).items():
+        node = schema.get(key) if isinstance(key, str) and key in schema else None
+        if not isinstance(node, DictConfig) or not is_dataclass(OmegaConf.get_type(node)):
+            continue  # a value, or an unknown key (the merge names it)
+        full = f"{prefix}{key}"
+        if value is None:
+            del layer[key]
+        elif isinstance(value, dict):
+            _check_sections(layer[key], node, source, f"{full}.")
+        elif not (isinstance(value, str) and value.startswith("${")):  # an interpolation is resolved later
+            first = next(iter(node))
+            raise ConfigError(f"{source}: config key '{full}' is a section, not a value ({value!r}): set its keys, e.g. "
+                              f"{full}.{first}=VALUE (in YAML a mapping, {key}: {{{first}: VALUE}})")
 
 
 def _validate(cfg: RuntimeConfig) -> None:
@@ -252,6 +275,7 @@ def load_config(paths: list[str | Path] | None = None, overrides: Sequence[str] 
             raise ConfigError(f"config file {file} is not valid YAML: {exc}") from None
         if not isinstance(layer, DictConfig):
             raise ConfigError(f"config file {file} must hold a mapping of sections, not {type(layer).__name__}")
+        _check_sections(layer, schema, str(file))
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as exc:
@@ -271,9 +295,13 @@ def _with_overrides(merged: DictConfig, overrides: Sequence[str] | None, schema:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r} is not of the form key=value")
         try:
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+            layer = OmegaConf.from_dotlist([item])
+            _check_sections(layer, schema, f"override {item!r}")
+            merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as exc:
             raise _explain(exc, schema, f"override {item!r}") from None
+        except ConfigError:
+            raise
         except Exception as exc:
             raise ConfigError(f"override {item!r} cannot be parsed: {exc}") from None
     try:

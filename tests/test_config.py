@@ -182,6 +182,44 @@ def test_a_scalar_for_a_list_key_says_it_takes_a_list(tmp_path):
     assert load_config([], ["sampling.stop=[END]"]).sampling.stop == ["END"]
 
 
+@pytest.mark.parametrize(("override", "yaml_text", "key", "first"), [
+    ("cache=5", "cache: [1, 2]\n", "cache", "page_size"),
+    ("job.columns=3", "job:\n  columns: qid\n", "job.columns", "id"),
+])
+def test_a_value_for_a_section_names_the_section(tmp_path, override, yaml_text, key, first):
+    with pytest.raises(ConfigError, match=rf"^override '{override}': config key '{key}' is a section, not a value "
+                                          rf"\(\S+\): set its keys, e\.g\. {key}\.{first}=VALUE"):
+        load_config([], [override])
+    path = write(tmp_path, "section.yaml", yaml_text)
+    with pytest.raises(ConfigError, match=rf"section\.yaml: config key '{key}' is a section, not a value"):
+        load_config([path])
+
+
+def test_an_empty_value_names_the_key_and_what_it_takes(tmp_path):
+    with pytest.raises(ConfigError, match=r"^override 'model\.path=': config key 'model\.path' needs a value of type "
+                                          r"'str', e\.g\. model\.path=VALUE; an empty one .* is null$"):
+        load_config([], ["model.path="])
+    path = write(tmp_path, "empty.yaml", "cache:\n  page_size:\n")
+    with pytest.raises(ConfigError, match=r"empty\.yaml: config key 'cache\.page_size' needs a value of type 'int'"):
+        load_config([path])
+    assert load_config([], ["job.input="]).job.input is None  # a key that takes null
+
+
+def test_a_yaml_section_with_every_key_commented_out_sets_nothing(tmp_path):
+    path = write(tmp_path, "commented.yaml", """\
+        sampling:
+          # temperature: 0.7
+        job:
+          columns:
+            # id: qid
+        cache:
+          page_size: 8
+        """)
+    cfg = load_config([path])
+    assert cfg.sampling == RuntimeConfig().sampling and cfg.job.columns == RuntimeConfig().job.columns
+    assert cfg.cache.page_size == 8
+
+
 @pytest.mark.parametrize("text", ["cache: [page_size: 1\n", "cache:\n  page_size: 1\n bad indent: 2\n", "{{{\n"])
 def test_malformed_yaml(tmp_path, text):
     path = write(tmp_path, "bad.yaml", text)
