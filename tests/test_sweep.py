@@ -62,7 +62,10 @@ def base_overrides(model_dir: Path, rows: Path) -> list[str]:
 
 
 def write_sweep(path: Path, model_dir: Path, rows: Path, **spec: Any) -> Path:
-    spec = {"overrides": base_overrides(model_dir, rows), "out": str(path.parent / "out"), **spec}
+    """The base overrides, less those of swept keys (a sweep refuses an override its axes would replace)."""
+    swept = {*spec.get("grid", {}), *spec.get("zip", {})}
+    overrides = [o for o in base_overrides(model_dir, rows) if o.split("=", 1)[0] not in swept]
+    spec = {"overrides": overrides, "out": str(path.parent / "out"), **spec}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
@@ -302,6 +305,28 @@ def test_a_bad_sweep_fails_before_any_run_starts(model_dir, rows, tmp_path, caps
     assert sweep.main(["--sweep-file", str(file)]) == 2
     assert message in capsys.readouterr().err
     assert sweep.last_stats is None and not (tmp_path / "out").exists()  # nothing started, nothing written
+
+
+@pytest.mark.parametrize(("where", "override", "swept"), [
+    ("command line", "sampling.temperature=0.3", "'sampling.temperature' is already swept ('grid')"),
+    ("file", "sampling.top_k=5", "'sampling.top_k' is already swept ('zip')"),
+    ("file", "sampling={temperature: 0.3}", "'sampling.temperature' is already swept ('grid')"),
+])
+def test_an_override_of_a_swept_key_is_refused_naming_it(model_dir, rows, tmp_path, capsys, where, override, swept):
+    """The axis would replace the override in every run: refused, not dropped in silence."""
+    in_file = [override] if where == "file" else []
+    file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, grid={"sampling.temperature": [0.0, 0.5]},
+                       zip={"sampling.top_k": [1, 2]}, overrides=[*base_overrides(model_dir, rows), *in_file])
+    on_line = [override] if where == "command line" else []
+    assert sweep.main(["--sweep-file", str(file), *on_line]) == 2
+    assert f"{file}: override '{override}': {swept}; drop the override or the axis" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_shorthand_refuses_an_override_of_its_own_axis(capsys):
+    assert sweep.main(["--sweep", "sampling.temperature=0,0.5", "sampling.temperature=0.3"]) == 2
+    assert ("--sweep: override 'sampling.temperature=0.3': 'sampling.temperature' is already swept ('grid')"
+            in capsys.readouterr().err)
 
 
 def test_a_bad_key_on_the_command_line_names_it(capsys):

@@ -257,6 +257,13 @@ def _check_axes(sweep: Sweep) -> None:
     fixed = [k for k in sweep.swept if k in PER_RUN_KEYS]
     if fixed:
         raise ConfigError(f"{sweep.source}: {fixed} cannot be swept: every run writes its own files in its folder")
+    for item in sweep.overrides:  # the axis would replace the override in every run
+        key = item.partition("=")[0].strip()
+        for swept in sweep.swept:
+            if key == swept or swept.startswith(f"{key}.") or key.startswith(f"{swept}."):
+                axis = "grid" if swept in sweep.grid else "zip"
+                raise ConfigError(f"{sweep.source}: override '{item}': '{swept}' is already swept ('{axis}'); drop the "
+                                  "override or the axis")
 
 
 def _place(run: Run, source: str) -> None:
