@@ -378,6 +378,22 @@ def test_list_and_one_run_as_an_array_task(model_dir, rows, tmp_path, capsys):
     assert sweep.main(["--sweep-file", str(file), "--only-run", "3"]) == 2
 
 
+def test_out_and_name_on_the_command_line_replace_the_files(model_dir, rows, tmp_path, capsys):
+    file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, grid={"sampling.temperature": [0.0, 0.5]},
+                       name="t{sampling.temperature}")
+    other = tmp_path / "other"
+    assert sweep.main(["--sweep-file", str(file), "--list", f"--out={other}", "--name=x{sampling.temperature}"]) == 0
+    listed = [line.split()[-1] for line in capsys.readouterr().out.splitlines()[:2]]
+    assert listed == [str(other / "x0.0"), str(other / "x0.5")]
+    spec = yaml.safe_load(file.read_text())
+    del spec["out"]
+    file.write_text(yaml.safe_dump(spec))
+    assert sweep.main(["--sweep-file", str(file), "--list"]) == 2
+    assert "'out' (the sweep's folder) must be set to a path, or given as --out" in capsys.readouterr().err
+    assert sweep.main(["--sweep-file", str(file), "--list", f"--out={other}"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].split()[-1] == str(other / "t0.0")
+
+
 def test_without_job_input_the_prompts_become_rows(model_dir, tmp_path):
     overrides = [o for o in base_overrides(model_dir, Path("unused")) if not o.startswith("job.input")]
     spec = {"overrides": [*overrides, 'job.prompts=["Hello there", "Two plus two?"]'], "out": str(tmp_path / "out"),
@@ -630,12 +646,13 @@ def test_slurm_flag_from_another_directory_submits_from_the_repo(model_dir, rows
 @pytest.mark.parametrize(("extra", "message"), [
     (["--sweep", "sampling.top_k=1,2"], "put --sweep axes in the file's 'grid'"),
     (["--config", "configs/default.yaml"], "--config files in its 'base'"),
+    (["--out", "elsewhere"], "--out and --name in its 'out' and 'name'"),
     (["sampling.stop=[a, b]"], "the template cannot pass a value with whitespace"),
     (["--nproc-per-node", "0"], "--nproc-per-node must be at least 1"),
     (["--nproc-per-node", "3", "parallel.tp_size=2"], "parallel.tp_size=2 does not divide the world size 3"),
     (["--only-run", "4"], "--only-run 4: the sweep has runs 1 to 2"),
     (["sampling.temprature=0.5"], "unknown config key 'sampling.temprature'"),
-], ids=["axes", "config", "whitespace", "nproc-0", "tp-layout", "only-run", "bad-key"])
+], ids=["axes", "config", "out", "whitespace", "nproc-0", "tp-layout", "only-run", "bad-key"])
 def test_slurm_flag_refuses_what_the_array_tasks_would_not_run(model_dir, rows, tmp_path, capsys, monkeypatch, extra, message):
     monkeypatch.chdir(REPO)
     file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, grid={"sampling.temperature": [0.0, 0.5]},

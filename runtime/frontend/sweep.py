@@ -88,8 +88,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              f"({SBATCH_TEMPLATE}), and exit without submitting")
     parser.add_argument("--only-run", type=int, metavar="N",
                         help="only run N (1-based, as --list numbers them; a Slurm array task's id)")
-    parser.add_argument("--out", help="the sweep's folder for --sweep (default: outputs/sweep-<hash of the arguments>)")
-    parser.add_argument("--name", help="run folder template for --sweep, e.g. 't{sampling.temperature}'")
+    parser.add_argument("--out", help="the sweep's folder (default: the sweep file's 'out'; for --sweep alone: "
+                                      "outputs/sweep-<hash of the arguments>)")
+    parser.add_argument("--name", help="run folder template, e.g. 't{sampling.temperature}' (default: the sweep "
+                                       "file's 'name', else the swept key=value pairs)")
     parser.add_argument("--config", action="append", default=None, help="YAML config (repeatable; merged in order)")
     parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N", help="run every run over N ranks")
     parser.add_argument("overrides", nargs="*", help="key=value overrides (and key=a,b axes with --sweep)")
@@ -160,7 +162,7 @@ def build_sweep(args: argparse.Namespace) -> Sweep:
     configs = args.config or []
     if args.sweep_file:
         plain = args.overrides if not args.sweep else []
-        sweep = load_sweep_file(args.sweep_file, configs, plain)
+        sweep = load_sweep_file(args.sweep_file, configs, plain, args.out, args.name)
         if args.sweep:
             extra = shorthand_sweep([], args.overrides)
             clash = set(extra.grid) & set(sweep.swept)
@@ -219,9 +221,10 @@ def slurm_command(args: argparse.Namespace, runs: int) -> str:
     """The shell line that submits this sweep as a Slurm array; ConfigError where the template cannot run it."""
     if not args.sweep_file:
         raise ConfigError("the array tasks read the sweep from a file: use --sweep-file FILE")
-    if args.sweep or args.config:
+    if args.sweep or args.config or args.out or args.name:
         raise ConfigError("the array tasks get only the sweep file and plain key=value overrides: put --sweep axes "
-                          "in the file's 'grid' and --config files in its 'base'")
+                          "in the file's 'grid', --config files in its 'base', --out and --name in its 'out' and "
+                          "'name'")
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
     for override in args.overrides:

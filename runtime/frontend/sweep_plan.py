@@ -107,7 +107,9 @@ class Run:
         return read_record(self.dir)
 
 
-def load_sweep_file(path: str | Path, extra_configs: Sequence[str] = (), extra_overrides: Sequence[str] = ()) -> Sweep:
+def load_sweep_file(path: str | Path, extra_configs: Sequence[str] = (), extra_overrides: Sequence[str] = (),
+                    out: str | None = None, name: str | None = None) -> Sweep:
+    """``out`` and ``name`` (the command line's --out, --name) replace the file's."""
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"sweep file {file} does not exist")
@@ -125,13 +127,13 @@ def load_sweep_file(path: str | Path, extra_configs: Sequence[str] = (), extra_o
                               + f" (sweep keys: {', '.join(SWEEP_KEYS)})")
     base = _str_list(spec.get("base", []), f"{src}: 'base'")
     overrides = _str_list(spec.get("overrides", []), f"{src}: 'overrides'")
-    out = spec.get("out")
+    out = out or spec.get("out")
     if not isinstance(out, str) or not out:
-        raise ConfigError(f"{src}: 'out' (the sweep's folder) must be set to a path")
+        raise ConfigError(f"{src}: 'out' (the sweep's folder) must be set to a path, or given as --out")
     reuse = spec.get("reuse_engine", True)
     if not isinstance(reuse, bool):
         raise ConfigError(f"{src}: 'reuse_engine' must be true or false, not {reuse!r}")
-    name = spec.get("name")
+    name = name or spec.get("name")
     if name is not None and not isinstance(name, str):
         raise ConfigError(f"{src}: 'name' must be a string template such as \"{{model.path.name}}-t{{sampling.temperature}}\"")
     return Sweep(
