@@ -30,6 +30,7 @@ from runtime.frontend.sweep_plan import (
     plan_runs,
     shorthand_sweep,
     split_top_level,
+    write_record,
 )
 from runtime.frontend.sweep_results import write_plot
 from tests.conftest import make_tiny_text_llama
@@ -406,9 +407,45 @@ def test_without_job_input_the_prompts_become_rows(model_dir, tmp_path):
     assert ids(folder / "output.jsonl") == [0, 1]
 
 
-def test_the_example_sweep_is_valid():
-    runs = plan_runs(load_sweep_file(REPO / "configs" / "sweeps" / "example.yaml"))
+@pytest.mark.parametrize("where", ["repo", "elsewhere"])
+def test_the_example_sweep_is_valid(tmp_path, monkeypatch, where):
+    monkeypatch.chdir(REPO if where == "repo" else tmp_path)
+    file = Path("configs/sweeps/example.yaml") if where == "repo" else REPO / "configs" / "sweeps" / "example.yaml"
+    runs = plan_runs(load_sweep_file(file))
     assert len(runs) == 4 and len({r.engine_key() for r in runs}) == 1
+    assert {r.dir.resolve().parent for r in runs} == {REPO / "outputs" / "sweeps" / "example"}
+
+
+def test_a_sweep_files_base_and_out_are_relative_to_its_folder(model_dir, rows, tmp_path, monkeypatch, capsys):
+    """Its config values (overrides, axes) read as launch.py reads them: from the folder the sweep runs in."""
+    folder = tmp_path / "exp"
+    write_sweep(folder / "sweep.yaml", model_dir, rows, grid={"sampling.temperature": [0.0]}, base=["base.yaml"],
+                out="out")
+    (folder / "base.yaml").write_text("cache:\n  page_size: 8\n")
+    (tmp_path / "here.yaml").write_text("cache:\n  page_size: 32\n")
+    monkeypatch.chdir(tmp_path)
+    [run] = plan_runs(load_sweep_file("exp/sweep.yaml", ["here.yaml"]))  # --config: the current folder's
+    assert run.dir == Path("exp/out/temperature=0.0") and run.cfg.cache.page_size == 32
+    [run] = plan_runs(load_sweep_file("exp/sweep.yaml"))
+    assert run.cfg.cache.page_size == 8
+    [run] = plan_runs(load_sweep_file("exp/sweep.yaml", out="mine"))  # --out: the current folder's
+    assert run.dir == Path("mine/temperature=0.0")
+    (folder / "base.yaml").unlink()
+    (tmp_path / "base.yaml").write_text("cache:\n  page_size: 8\n")
+    assert sweep.main(["--sweep-file", "exp/sweep.yaml", "--list"]) == 2
+    assert ("exp/sweep.yaml: 'base' base.yaml: config file exp/base.yaml does not exist (a sweep file's 'base' and "
+            "'out' are relative to its folder)") in capsys.readouterr().err
+
+
+def test_a_run_done_from_one_folder_is_skipped_from_another(model_dir, rows, tmp_path, monkeypatch, capsys):
+    """Its record names its files from where the sweep ran; the same folder reached from elsewhere is the same run."""
+    write_sweep(tmp_path / "exp" / "sweep.yaml", model_dir, rows, grid={"sampling.temperature": [0.0]}, out="out")
+    monkeypatch.chdir(tmp_path)
+    [run] = plan_runs(load_sweep_file("exp/sweep.yaml"))
+    write_record(run.dir, {"index": 1, "name": run.name, "status": "done", "config": run.identity()})
+    monkeypatch.chdir(tmp_path / "exp")
+    assert sweep.main(["--sweep-file", "sweep.yaml", "--list"]) == 0
+    assert capsys.readouterr().out.startswith(f"  1  done         {Path('out') / run.name}\n")
 
 
 def test_slurm_flag_checks_the_model_splits_over_the_templates_gpus(default_model_dir, capsys, monkeypatch):
@@ -635,12 +672,52 @@ def test_slurm_flag_prints_the_line_list_prints_and_the_template_runs_it(model_d
                                "'sampling.stop=[a,b]'\n")
 
 
-def test_slurm_flag_from_another_directory_submits_from_the_repo(model_dir, rows, tmp_path, capsys, monkeypatch):
+def test_slurm_flag_from_another_folder_names_the_repo_and_submits_from_there(model_dir, rows, tmp_path, capsys,
+                                                                              monkeypatch):
+    """The tasks start where sbatch runs: there relative paths read as --slurm read them."""
     write_sweep(tmp_path / "sweep.yaml", model_dir, rows, grid={"sampling.temperature": [0.0, 0.5]})
     monkeypatch.chdir(tmp_path)
     assert sweep.main(["--sweep-file", "sweep.yaml", "--nproc-per-node", "2", "--only-run", "2", "--slurm"]) == 0
-    assert capsys.readouterr().out == (f"cd {shlex.quote(str(REPO))} && SWEEP={tmp_path.resolve() / 'sweep.yaml'} "
-                                       "NPROC_PER_NODE=2 sbatch --array=2 scripts/slurm/sweep.sbatch\n")
+    printed = capsys.readouterr()
+    assert printed.out == (f"SWEEP=sweep.yaml NPROC_PER_NODE=2 TPINFER_REPO={shlex.quote(str(REPO))} sbatch --array=2 "
+                           f"{shlex.quote(str(SBATCH))}\n")
+    assert "To submit, from this folder:" in printed.err
+
+
+SBATCH_STUB = """#!/bin/bash
+# sbatch: each task of --array=A or A-B in turn, in this folder (the submit directory), as Slurm starts them
+for arg in "$@"; do [[ $arg == --array=* ]] && tasks=${arg#--array=}; done
+for ((task = ${tasks%-*}; task <= ${tasks#*-}; task++)); do
+    SLURM_SUBMIT_DIR=$PWD SLURM_ARRAY_JOB_ID=51 SLURM_ARRAY_TASK_ID=$task SLURM_JOB_ID=5$task bash "${@: -1}" || exit
+done
+"""
+
+
+@needs_bash
+@pytest.mark.slow
+@pytest.mark.skipif(not LAUNCH_RUNS_SWEEPS, reason="launch.py does not hand --sweep-file to runtime/frontend/sweep.py")
+def test_the_printed_sbatch_line_runs_the_tasks_with_paths_read_as_slurm_read_them(model_dir, rows, tmp_path):
+    """From a folder other than the repo: the file's base and out beside the file, an input relative to here."""
+    here = tmp_path / "work"
+    here.mkdir()
+    shutil.copy(rows, here / "rows.jsonl")
+    write_sweep(here / "exp" / "sweep.yaml", model_dir, rows, grid={"sampling.temperature": [0.0, 0.5]},
+                base=["base.yaml"], out="out", overrides=[o for o in base_overrides(model_dir, rows)
+                                                         if not o.startswith("job.input=")])
+    (here / "exp" / "base.yaml").write_text("cache:\n  page_size: 8\n")
+    argv = ["--sweep-file", "exp/sweep.yaml", "--nproc-per-node", "1", "--slurm", "job.input=rows.jsonl"]
+    check = subprocess.run([sys.executable, str(REPO / "launch.py"), *argv], cwd=here, env=_env(), capture_output=True,
+                           text=True, timeout=120)
+    assert check.returncode == 0, check.stderr
+    env = _stub_env(tmp_path)
+    (Path(env["STUBS"]) / "sbatch").write_text(SBATCH_STUB)
+    (Path(env["STUBS"]) / "sbatch").chmod(0o755)
+    out = subprocess.run([BASH, "-c", check.stdout], cwd=here, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    table = results(here / "exp" / "out")  # the last task wrote it
+    assert [(r["status"], r["rows"]) for r in table] == [("done", str(ROWS))] * 2
+    for run in plan_runs(load_sweep_file(here / "exp" / "sweep.yaml", extra_overrides=[f"job.input={rows}"])):
+        assert yaml.safe_load(run.paths.config.read_text())["cache"]["page_size"] == 8  # the base beside the file
 
 
 @pytest.mark.parametrize(("extra", "message"), [

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 SWEEP_FLAGS = ("--sweep", "--sweep-file", "--collect")
 REPO = Path(__file__).resolve().parents[2]
-SBATCH_TEMPLATE = "scripts/slurm/sweep.sbatch"  # relative to REPO, where sbatch must be run
+SBATCH_TEMPLATE = "scripts/slurm/sweep.sbatch"  # relative to REPO
 log = logging.getLogger("tpinfer.sweep")
 
 
@@ -150,7 +150,8 @@ def main(argv: list[str], script: str | None = None, configure_threads: Callable
             print(f"error: {exc}{ranks}", file=sys.stderr)
             return 2
     if args.slurm:
-        print(f"{sweep.source}: {len(runs)} runs are valid; nothing submitted. To submit:", file=sys.stderr)
+        print(f"{sweep.source}: {len(runs)} runs are valid; nothing submitted. To submit, from this folder:",
+              file=sys.stderr)
         print(command)
         return 0
     if args.nproc_per_node is not None:
@@ -231,18 +232,19 @@ def slurm_command(args: argparse.Namespace, runs: int) -> str:
         if not override or any(c.isspace() for c in override):  # the template splits OVERRIDES on whitespace
             raise ConfigError(f"override {override!r}: the template cannot pass a value with whitespace; "
                               "set it in the sweep file's 'overrides'")
-    cwd = Path.cwd()
-    sweep_file = Path(args.sweep_file)
-    here = cwd.resolve() == REPO
-    env = {"SWEEP": str(sweep_file if here or sweep_file.is_absolute() else (cwd / sweep_file).resolve())}
+    # The tasks start in the folder sbatch runs in, so run from here they read relative paths as this check did;
+    # from another folder than the repo's, the line names the repo (TPINFER_REPO) and the template's full path.
+    env = {"SWEEP": args.sweep_file}
     if args.overrides:
         env["OVERRIDES"] = " ".join(args.overrides)
     if args.nproc_per_node is not None:
         env["NPROC_PER_NODE"] = str(args.nproc_per_node)
+    here = Path.cwd().resolve() == REPO
+    if not here:
+        env["TPINFER_REPO"] = str(REPO)
     array = str(args.only_run) if args.only_run is not None else f"1-{runs}"
     line = " ".join(f"{key}={shlex.quote(value)}" for key, value in env.items())
-    line += f" sbatch --array={array} {SBATCH_TEMPLATE}"
-    return line if here else f"cd {shlex.quote(str(REPO))} && {line}"
+    return f"{line} sbatch --array={array} {SBATCH_TEMPLATE if here else shlex.quote(str(REPO / SBATCH_TEMPLATE))}"
 
 
 def execute(sweep: Sweep, runs: list[Run], only: int | None = None) -> int:

@@ -1,8 +1,8 @@
 """What a sweep is: its file (or command-line shorthand), its runs and their folders, each run's record.
 
-A sweep file (format in docs)::
+A sweep file (format: docs/sweeps.md)::
 
-    base: configs/default.yaml
+    base: my.yaml                                  # base and out: relative to the file's folder
     grid: {sampling.temperature: [0.0, 0.7]}       # cartesian product; ``zip:`` lists advance together
     out: runs/my-sweep
 
@@ -125,11 +125,18 @@ def load_sweep_file(path: str | Path, extra_configs: Sequence[str] = (), extra_o
             near = difflib.get_close_matches(str(key), SWEEP_KEYS, n=1)
             raise ConfigError(f"{src}: unknown sweep key '{key}'" + (f"; did you mean '{near[0]}'?" if near else "")
                               + f" (sweep keys: {', '.join(SWEEP_KEYS)})")
-    base = _str_list(spec.get("base", []), f"{src}: 'base'")
+    base: list[str] = []
+    for given in _str_list(spec.get("base", []), f"{src}: 'base'"):
+        base.append(_beside(file, given))
+        if not Path(base[-1]).is_file():
+            raise ConfigError(f"{src}: 'base' {given}: config file {base[-1]} does not exist (a sweep file's 'base' "
+                              "and 'out' are relative to its folder)")
     overrides = _str_list(spec.get("overrides", []), f"{src}: 'overrides'")
-    out = out or spec.get("out")
-    if not isinstance(out, str) or not out:
-        raise ConfigError(f"{src}: 'out' (the sweep's folder) must be set to a path, or given as --out")
+    if not out:
+        out = spec.get("out")
+        if not isinstance(out, str) or not out:
+            raise ConfigError(f"{src}: 'out' (the sweep's folder) must be set to a path, or given as --out")
+        out = _beside(file, out)
     reuse = spec.get("reuse_engine", True)
     if not isinstance(reuse, bool):
         raise ConfigError(f"{src}: 'reuse_engine' must be true or false, not {reuse!r}")
@@ -142,6 +149,11 @@ def load_sweep_file(path: str | Path, extra_configs: Sequence[str] = (), extra_o
         out=Path(out), name=name, metrics=_str_list(spec.get("metrics", []), f"{src}: 'metrics'"),
         plot=_plot(spec.get("plot"), src), reuse_engine=reuse,
     )
+
+
+def _beside(file: Path, path: str) -> str:
+    """A path in a sweep file, relative to the file's folder (so the file runs from any folder)."""
+    return path if Path(path).is_absolute() else os.path.normpath(file.parent / path)
 
 
 def shorthand_sweep(configs: list[str], items: list[str], out: str | None = None, name: str | None = None) -> Sweep:
@@ -335,7 +347,9 @@ def check_resumable(run: Run) -> None:
     if record is None or "config" not in record:
         return
     now, before = run.identity(), record["config"]
-    changed = sorted(k for k in now.keys() | before.keys() if now.get(k) != before.get(k))
+    # The folder's own files: the same files, named from whichever folder the sweep runs in.
+    own = {*PER_RUN_KEYS, *(["job.input"] if run.prompts_input else [])}
+    changed = sorted(k for k in now.keys() | before.keys() if k not in own and now.get(k) != before.get(k))
     if changed:
         raise ConfigError(f"run {run.index} ({run.dir}) holds a run of another config (keys that differ: "
                           f"{', '.join(changed[:5])}): use another 'out', or delete the folder to run it again")
