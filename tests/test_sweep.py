@@ -250,10 +250,16 @@ def test_runs_that_differ_only_in_sampling_load_the_model_once_with_the_same_row
             assert (folder / "output.jsonl").read_text().splitlines() == (twin / "output.jsonl").read_text().splitlines()
 
 
-def test_a_failed_run_is_recorded_and_the_sweep_goes_on(model_dir, rows, tmp_path, capsys):
-    missing = tmp_path / "no_such_model"  # its config passes the check at start; it has no weights to load
+def weightless_model(tmp_path: Path, model_dir: Path) -> Path:
+    """Its config passes the checks at start; it has no weights to load, so its run fails."""
+    missing = tmp_path / "no_such_model"
     missing.mkdir()
     shutil.copy(model_dir / "config.json", missing / "config.json")
+    return missing
+
+
+def test_a_failed_run_is_recorded_and_the_sweep_goes_on(model_dir, rows, tmp_path, capsys):
+    missing = weightless_model(tmp_path, model_dir)
     file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, name="{model.path.name}",
                        grid={"model.path": [str(missing), str(model_dir)]})
     assert sweep.main(["--sweep-file", str(file)]) == 1
@@ -266,6 +272,18 @@ def test_a_failed_run_is_recorded_and_the_sweep_goes_on(model_dir, rows, tmp_pat
     assert sweep.main(["--sweep-file", str(file), "--collect"]) == 0  # the same table, from the folders only
     assert {r["name"]: r["status"] for r in results(tmp_path / "out")} == {"no_such_model": "failed",
                                                                             model_dir.name: "done"}
+
+
+def test_a_rerun_runs_the_runs_not_tried_before_those_that_failed(model_dir, rows, tmp_path, capsys, monkeypatch):
+    file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, name="{model.path.name}",
+                       grid={"model.path": [str(weightless_model(tmp_path, model_dir)), str(model_dir)]})
+    assert sweep.main(["--sweep-file", str(file), "--only-run", "1"]) == 1
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "stderr", sys.stdout)  # one stream: the order the runs ran in
+    assert sweep.main(["--sweep-file", str(file)]) == 1
+    ran = [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("run ")]
+    assert ran == [f"run 2/2 {model_dir.name}", "run 1/2 no_such_model"]
+    assert [r["status"] for r in results(tmp_path / "out")] == ["failed", "done"]  # the table in run order
 
 
 def test_a_list_axis_runs_and_a_run_that_serves_no_row_fails(model_dir, rows, tmp_path):
@@ -541,6 +559,31 @@ def test_two_ranks_walk_the_same_runs_across_tp_layouts(model_dir, rows, tmp_pat
         twin = tmp_path / "one" / "out" / f"temperature={run.cfg.sampling.temperature}" / "output.jsonl"
         texts = {json.loads(x)["id"]: json.loads(x)["text"] for x in run.paths.output.read_text().splitlines()}
         assert texts == {json.loads(x)["id"]: json.loads(x)["text"] for x in twin.read_text().splitlines()}
+
+
+@pytest.mark.slow
+def test_a_failed_run_stops_a_two_rank_sweep_and_a_rerun_runs_the_rest_first(model_dir, rows, tmp_path):
+    """DP 2: run 1 fails on both ranks, which stop (a peer may wait in a collective) and say how to go on; the rerun
+    runs run 2 before it retries run 1."""
+    file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, name="{model.path.name}",
+                       grid={"model.path": [str(weightless_model(tmp_path, model_dir)), str(model_dir)]})
+    cmd = [*TORCHRUN, "--nproc-per-node", "2", "-m", "runtime.frontend.sweep", "--sweep-file", str(file),
+           "parallel.tp_size=1"]
+    failed, good = (tmp_path / "out" / name for name in ("no_such_model", model_dir.name))
+    first = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert first.returncode != 0
+    assert ("the sweep stops after run 1/2 no_such_model failed: its 2 ranks cannot go on past a failed run (another "
+            "rank may wait for this one in a collective); rerun the same command: it runs the other runs left (1) first, "
+            "the failed ones last (exit 1)") in first.stderr, first.stderr[-3000:]
+    assert json.loads((failed / "run.json").read_text())["status"] == "failed" and not good.exists()
+    again = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode != 0
+    assert ("the sweep stops after run 1/2 no_such_model failed: its 2 ranks cannot go on past a failed run (another "
+            "rank may wait for this one in a collective); every other run is done or failed before: fix what failed "
+            "(run.json says), then rerun (exit 1)") in again.stderr, again.stderr[-3000:]
+    assert ids(good / "output.jsonl") == list(range(ROWS)), again.stdout[-2000:] + again.stderr[-3000:]
+    assert [(r["name"], r["status"]) for r in results(tmp_path / "out")] == [("no_such_model", "failed"),
+                                                                           (model_dir.name, "done")]
 
 
 SLOW_MERGE_SWEEP = """

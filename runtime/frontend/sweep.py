@@ -70,6 +70,10 @@ class SweepStats:
 last_stats: SweepStats | None = None
 
 
+class SweepStopped(Exception):
+    """A run failed on a sweep of several ranks: they stop, as a peer may wait in a collective for the failed one."""
+
+
 def requested(argv: list[str]) -> bool:
     return any(a.split("=", 1)[0] in SWEEP_FLAGS for a in argv)
 
@@ -260,6 +264,8 @@ def execute(sweep: Sweep, runs: list[Run], only: int | None = None) -> int:
     except KeyboardInterrupt:
         print(f"rank {env.rank}: interrupted (a second Ctrl-C); finished rows are on disk", file=sys.stderr, flush=True)
         exit_now(130)
+    except SweepStopped:  # said and recorded; peers may be stuck in a collective
+        exit_now(1)
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as exc:
         print(f"error on rank {env.rank}: {exc}", file=sys.stderr, flush=True)
         if env.world_size > 1:  # peers may be stuck in a collective
@@ -273,10 +279,11 @@ class _Sweeper:
 
     def __init__(self, sweep: Sweep, runs: list[Run], stats: SweepStats, rank: int, world_size: int) -> None:
         self.sweep, self.runs, self.stats = sweep, runs, stats
-        self.writer = rank == 0
+        self.rank, self.writer = rank, rank == 0
         self.world_size = world_size
         self.tp_size: int | None = None
         self.jobs = 0  # the same count on every rank
+        self.todo: list[Run] = []  # in the order they run
         self.last_run: Run | None = None  # a signal after its last row leaves nothing to resume
         self.prefix = f"tpinfer/sweep/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
@@ -285,7 +292,7 @@ class _Sweeper:
 
         drain = Drain()
         self.join(self.runs[0].cfg)
-        todo = self.agree_on_todo(only)
+        todo = self.todo = self.agree_on_todo(only)
         self.last_run = todo[-1] if todo else None
         stopped = False
         try:
@@ -294,6 +301,11 @@ class _Sweeper:
                 stopped = self.lead(group, drain, g) if tp.rank == 0 else self.follow(group, g)
                 if stopped:
                     break
+        except SweepStopped as exc:  # still under the drain handlers: torchrun's SIGTERM must not cut this short
+            if self.writer:
+                self.finish(only, stopped=False)
+            print(f"rank {self.rank}: {exc}", file=sys.stderr, flush=True)
+            raise
         finally:
             restore_default_signals()
         if self.writer:
@@ -314,21 +326,24 @@ class _Sweeper:
         return get_tp()
 
     def agree_on_todo(self, only: int | None) -> list[Run]:
-        """Global rank 0 decides which runs are left; every rank gets its list, so all ranks agree."""
+        """Global rank 0 decides which runs are left; every rank gets its list, so all ranks agree. Runs that failed
+        before go last: a failure stops a sweep of several ranks, so the runs it kept from starting go first."""
         from parallel.state import get_store
 
         store = get_store()
         key = f"{self.prefix}/todo"
         if self.writer:
             chosen = [r for r in self.runs if only in (None, r.index)]
-            todo = []
+            todo, failed = [], []
             for run in chosen:
-                if (run.record() or {}).get("status") == DONE:
+                status = (run.record() or {}).get("status")
+                if status == DONE:
                     print(f"run {run.index}/{len(self.runs)} {run.name}: done before, skipped", flush=True)
                     self.stats.skipped += 1
                 else:
                     prepare(run)
-                    todo.append(run.index)
+                    (failed if status == FAILED else todo).append(run.index)
+            todo += failed
             if store is not None:
                 store.set(key, json.dumps(todo))
         else:
@@ -390,7 +405,7 @@ class _Sweeper:
                 except Exception as exc:  # noqa: BLE001 - a run's failure is recorded; KeyboardInterrupt is not one
                     self.fail(run, exc, began, time.perf_counter() - started)
                     if self.world_size > 1:
-                        raise
+                        raise SweepStopped(self.stop_message(run)) from exc
                     if llm is not None:  # its state after a failure is unknown
                         llm.shutdown()
                         llm = None
@@ -453,6 +468,15 @@ class _Sweeper:
             attempt = {"started": began, "wall_s": round(wall_s, 4), "error": message}
             write_record(run.dir, {**_record_head(run), "status": FAILED, "error": message,
                                    "attempts": [*before, attempt]})
+
+    def stop_message(self, failed: Run) -> str:
+        left = self.todo[self.todo.index(failed) + 1:]
+        untried = sum((r.record() or {}).get("status") != FAILED for r in left)  # failed before: last in the todo
+        then = (f"rerun the same command: it runs the other runs left ({untried}) first, the failed ones last"
+                if untried else "every other run is done or failed before: fix what failed (run.json says), then rerun")
+        return (f"the sweep stops after run {failed.index}/{len(self.runs)} {failed.name} failed: its {self.world_size} "
+                f"ranks cannot go on past a failed run (another rank may wait for this one in a collective); {then} "
+                "(exit 1)")
 
     def follow(self, group: list[Run], g: int) -> bool:
         """Build this rank's engine and follow the group's first rank; then learn whether the sweep goes on."""
