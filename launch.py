@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from runtime.config import ConfigError, RuntimeConfig, load_config, to_yaml
 from runtime.frontend import sweep
-from runtime.frontend.signals import exit_now
+from runtime.frontend.signals import exit_now, record_exit_code
 
 if TYPE_CHECKING:
     from runtime.frontend.llm import LLM
@@ -289,4 +289,4 @@ def start_ranks(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(record_exit_code(main()))

@@ -14,6 +14,8 @@ from types import ModuleType
 
 import pytest
 
+from runtime.frontend.signals import EXIT_CODE_DIR_ENV, recorded_exit_codes
+
 REPO = Path(__file__).resolve().parents[1]
 SLURM_DIR = REPO / "scripts" / "slurm"
 SCRIPT = SLURM_DIR / "torchrun_cmd.py"
@@ -183,23 +185,39 @@ def test_sbatch_dry_run(tmp_path, name, env, expected):
 
 
 STUBS = {
-    # srun: run the task in the background, remember its pid for scancel, report its exit code.
-    "srun": '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\n"$@" & echo $! > "$STUBS/step.pid"\n'
+    # srun: run the task in the background in a process group of its own (set -m) for scancel, report its exit code.
+    "srun": '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nset -m\n"$@" & echo $! > "$STUBS/step.pid"\n'
             'wait $!; rc=$?; echo "srun rc=$rc" >> "$STUBS/log"; exit $rc\n',
-    # torchrun: a rank that drains on SIGTERM and exits 143, or finishes by itself after $WORK_S.
+    # torchrun and its --nproc-per-node ranks, which finish by themselves after $WORK_S. As the real torchrun: on
+    # SIGTERM the ranks drain, leave their codes (launch.py's record_exit_code: rank 0 $RANK_CODE, default 143 =
+    # rows left; "none": killed, no code; the others 0), and torchrun exits 1 whatever they returned.
     "torchrun": '#!/bin/bash\necho "torchrun $*" >> "$STUBS/log"\n'
+                'n=1; for a; do if [[ $a == --nproc-per-node=* ]]; then n=${a#*=}; fi; done\n'
+                'ranks_exit() { for ((r = 0; r < n; r++)); do c=$1; (( r > 0 )) && c=0; [[ $c == none ]] && continue\n'
+                '  RANK=$r "$PYTHON" -c "from runtime.frontend.signals import record_exit_code as r; r($c)"; done; }\n'
                 'sleep "${WORK_S:-30}" & SLEEP=$!\n'
-                'trap \'kill $SLEEP; echo drained >> "$STUBS/log"; exit 143\' TERM\n'
-                'touch "$STUBS/started"\nwait $SLEEP\n',
-    "scancel": '#!/bin/bash\necho "scancel $*" >> "$STUBS/log"\nkill -TERM "$(cat "$STUBS/step.pid")"\n',
+                'trap \'kill $SLEEP; echo drained >> "$STUBS/log"; ranks_exit "${RANK_CODE:-143}"; exit 1\' TERM\n'
+                'touch "$STUBS/started"\nwait $SLEEP\nranks_exit 0\nexit 0\n',
+    # scancel --signal: as Slurm, to every process of the step (torchrun_cmd.py, torchrun, the ranks).
+    "scancel": '#!/bin/bash\necho "scancel $*" >> "$STUBS/log"\nkill -TERM -- -"$(cat "$STUBS/step.pid")"\n',
     "scontrol": '#!/bin/bash\necho "scontrol $*" >> "$STUBS/log"\n'
                 'if [[ "$1 $2" == "show hostnames" ]]; then echo "$3"; fi\n'
                 'if [[ "$1 $2" == "show job" ]]; then echo "JobId=$3 JobState=${FAKE_STATE:-RUNNING}"; fi\n',
 }
 
 
-def _run_job(tmp_path: Path, *, signal_after_start: bool, **extra: str) -> tuple[int, str]:
-    """single_node.sbatch under bash with stub Slurm commands; optionally USR1 once the 'rank' runs."""
+# Per template: the variables it needs besides the allocation's, and the name its Slurm commands give the job.
+TEMPLATES = {
+    "single_node.sbatch": ({}, "7"),
+    "multi_node.sbatch": ({}, "7"),
+    # The task that runs under the array's own id: its commands must name it 7_3, not 7 (every task).
+    "sweep.sbatch": ({"SWEEP": "s.yaml", "SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "3"}, "7_3"),
+}
+
+
+def _run_job(tmp_path: Path, *, signal_after_start: bool, template: str = "single_node.sbatch",
+             **extra: str) -> tuple[int, str]:
+    """A template under bash with stub Slurm commands and torchrun; optionally USR1 once the 'ranks' run."""
     stubs = tmp_path / "stubs"
     stubs.mkdir()
     for name, text in STUBS.items():
@@ -207,8 +225,8 @@ def _run_job(tmp_path: Path, *, signal_after_start: bool, **extra: str) -> tuple
         (stubs / name).chmod(0o755)
     env = {"PATH": f"{stubs}:/usr/bin:/bin", "STUBS": str(stubs), "PYTHON": sys.executable,
            "SLURM_SUBMIT_DIR": str(REPO), "SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1",
-           "SLURM_JOB_NODELIST": "gpu01", "SLURM_GPUS_ON_NODE": "2", **extra}
-    proc = subprocess.Popen([BASH, str(SLURM_DIR / "single_node.sbatch")], env=env, stdout=subprocess.PIPE,
+           "SLURM_JOB_NODELIST": "gpu01", "SLURM_GPUS_ON_NODE": "2", **TEMPLATES[template][0], **extra}
+    proc = subprocess.Popen([BASH, str(SLURM_DIR / template)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         if signal_after_start:
@@ -224,12 +242,32 @@ def _run_job(tmp_path: Path, *, signal_after_start: bool, **extra: str) -> tuple
 
 
 @pytest.mark.skipif(BASH is None, reason="needs bash")
-def test_sbatch_usr1_drains_then_requeues(tmp_path):
-    rc, log = _run_job(tmp_path, signal_after_start=True)
+@pytest.mark.parametrize("template", list(TEMPLATES))
+def test_sbatch_usr1_drains_then_requeues(tmp_path, template):
+    job = TEMPLATES[template][1]
+    rc, log = _run_job(tmp_path, signal_after_start=True, template=template)
     assert "torchrun --nnodes=1 --nproc-per-node=2" in log
     # TERM reaches the rank through scancel (not srun, which would SIGKILL), the rank drains, then requeue.
-    assert log.index("scancel --signal=TERM 7") < log.index("drained") < log.index("scontrol requeue 7")
-    assert rc == 143
+    assert log.index(f"scancel --signal=TERM {job}") < log.index("drained") < log.index(f"scontrol requeue {job}")
+    assert rc == 143  # the ranks' code ("requeue me"), not torchrun's 1
+
+
+@pytest.mark.skipif(BASH is None, reason="needs bash")
+@pytest.mark.parametrize("template", list(TEMPLATES))
+def test_sbatch_usr1_after_the_last_rows_does_not_requeue(tmp_path, template):
+    """Every rank exits 0 (the drain finished the last rows) though torchrun, signalled too, exits 1: done."""
+    rc, log = _run_job(tmp_path, signal_after_start=True, template=template, RANK_CODE="0")
+    assert log.index("scancel --signal=TERM") < log.index("drained")
+    assert "srun rc=0" in log and "requeue" not in log.replace("show job", "")
+    assert rc == 0
+
+
+@pytest.mark.skipif(BASH is None, reason="needs bash")
+def test_sbatch_usr1_requeues_when_a_rank_left_no_code(tmp_path):
+    """A rank killed while draining says nothing about the rows: torchrun's failure stands, and the job requeues."""
+    rc, log = _run_job(tmp_path, signal_after_start=True, RANK_CODE="none")
+    assert log.index("drained") < log.index("scontrol requeue 7")
+    assert rc == 1
 
 
 @pytest.mark.skipif(BASH is None, reason="needs bash")
@@ -240,3 +278,33 @@ def test_sbatch_no_requeue_when_cancelled_or_done(tmp_path):
     assert "drained" in log and "requeue" not in log.replace("show job", "")
     rc, log = _run_job(tmp_path / "done", signal_after_start=False, WORK_S="0")
     assert rc == 0 and "scancel" not in log and "requeue" not in log
+
+
+@pytest.mark.parametrize(("torchrun", "ranks", "expected"), [
+    (1, {0: 0, 1: 0}, 0),  # a signal after the last rows: torchrun's 1 is not a failure
+    (1, {0: 143, 1: 0}, 143),  # rows left (TP workers exit 0 behind their leader)
+    (1, {0: 143, 1: 143, 2: 0, 3: 0}, 143),  # every replica drained
+    (1, {0: 143}, 1),  # rank 1 left no code (killed, crashed): torchrun's code
+    (1, {0: 143, 1: 2}, 1),  # a real failure: torchrun's code
+    (0, {}, 0),
+    (137, {0: 0, 1: 0}, 0),  # torchrun killed after its ranks finished
+])
+def test_node_exit_code(torchrun, ranks, expected):
+    nproc = 4 if len(ranks) == 4 else 2
+    assert tc.node_exit_code(torchrun, ranks, nproc) == expected
+
+
+def test_ranks_leave_their_exit_codes_for_the_launcher(tmp_path):
+    """launch.py's ranks under a launcher that asks (torchrun_cmd.py sets the folder, torchrun RANK)."""
+    folder = tmp_path / "codes"
+    folder.mkdir()
+    base = {**os.environ, "PYTHONPATH": str(REPO), EXIT_CODE_DIR_ENV: str(folder)}
+    for rank, args in (("0", ["--print-config"]), ("1", ["no.such.key=1"])):
+        out = subprocess.run([sys.executable, "launch.py", *args], cwd=REPO, env={**base, "RANK": rank},
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == (0 if rank == "0" else 2), out.stderr
+    (folder / "2.tmp").write_text("14")  # a rank killed while writing: no code
+    assert recorded_exit_codes(str(folder)) == {0: 0, 1: 2}
+    out = subprocess.run([sys.executable, "launch.py", "--print-config"], cwd=REPO,
+                         env={**base, "RANK": "5", EXIT_CODE_DIR_ENV: ""}, capture_output=True, timeout=120)
+    assert out.returncode == 0 and sorted(p.name for p in folder.iterdir()) == ["0", "1", "2.tmp"]

@@ -48,10 +48,12 @@ def _rows(path: Path, n: int, base: int, step: int) -> Path:
     return path
 
 
-def submit(env: dict[str, str], model: Path, rows: Path, out: Path, *extra: str, **variables: str) -> str:
-    """sbatch the real template: 2 CPU ranks (TP=2 over gloo), no GPUs, the log next to the output."""
+def submit(env: dict[str, str], model: Path, rows: Path, out: Path, *extra: str, overrides: str = "",
+           **variables: str) -> str:
+    """sbatch the real template: 2 CPU ranks (TP=2 over gloo), no GPUs, the log next to the output; ``overrides``
+    come last, so they win."""
     overrides = (f"model.path={model} engine.device=cpu model.max_seq_len=2048 scheduler.max_running_requests=4 "
-                 f"job.input={rows} job.output={out} job.progress=false job.drain_timeout_s=3")
+                 f"job.input={rows} job.output={out} job.progress=false job.drain_timeout_s=3 {overrides}")
     job_env = {**env, "CONFIG": "configs/default.yaml", "OVERRIDES": overrides, "NPROC_PER_NODE": "2",
                "PYTHON": sys.executable, **variables}
     proc = subprocess.run(["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=2", "--time=10",
@@ -126,6 +128,23 @@ def test_preemption_drains_requeues_and_the_next_attempt_finishes(slurm, tiny_mo
     assert ids(out) == list(range(16))  # exactly one row per id across the two attempts
     log = (tmp_path / f"slurm-{job_id}.out").read_text()
     assert "attempt 1" in log and "attempt 2" in log and "got SIGUSR1" in log and "requeueing job" in log
+
+
+def test_a_warning_once_every_row_is_in_flight_completes_without_a_requeue(slurm, tiny_model, tmp_path):
+    """All 4 rows run at once (scheduler.max_running_requests=4); USR1 after the short first one: the drain finishes
+    the others, every rank exits 0, and the job ends COMPLETED on its first attempt, though torchrun itself exits 1
+    after the signal."""
+    out = tmp_path / "out.jsonl"
+    job_id = submit(slurm, tiny_model, _rows(tmp_path / "rows.jsonl", 4, 8, 100), out,
+                    overrides="job.drain_timeout_s=60")
+    wait_until(lambda: out.exists() and out.read_text().strip(), 180, "the first row")
+    warn_batch(slurm, job_id)
+    info = wait_done(slurm, job_id)
+    log = (tmp_path / f"slurm-{job_id}.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "0", (info, log)
+    assert ids(out) == list(range(4))
+    assert "got SIGUSR1" in log and "its ranks exited rank 0: 0, rank 1: 0: exit 0" in log
+    assert "step exited with code 0" in log and "requeueing" not in log
 
 
 def test_a_hard_kill_then_a_resubmission_resumes(slurm, tiny_model, tmp_path):

@@ -1,4 +1,4 @@
-"""Build the torchrun command for the current Slurm allocation; print it or exec it.
+"""Build the torchrun command for the current Slurm allocation; print it, or run it and exit with its ranks' codes.
 
     python scripts/slurm/torchrun_cmd.py [--dry-run] [--nproc-per-node N] [--tp-size T] [--rdzv-port 29500] \
         -- launch.py ...
@@ -8,6 +8,9 @@ through the c10d rendezvous on the first host of the node list, and torchrun sta
 rank per GPU. ``--tp-size T`` splits the world (nodes x ranks per node) into data-parallel
 replicas of T ranks each (``parallel.tp_size``). Bad or missing Slurm variables, and a T
 that does not divide the world, exit with code 2 and name what is wrong.
+
+torchrun runs as a child, and this node's exit code is its ranks' own (0: done, 143: drained with
+rows left) when every rank left one (``node_exit_code``): torchrun exits 1 after any signal.
 """
 
 from __future__ import annotations
@@ -17,11 +20,21 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Mapping
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo: its light signals module
+
+from runtime.frontend.signals import EXIT_CODE_DIR_ENV, EXIT_PREEMPTED, recorded_exit_codes  # noqa: E402
 
 DEFAULT_PORT = 29500
+# The signals torchrun passes on to its ranks (its default --signals-to-handle). They reach this process too, since
+# scancel --signal and srun signal every process of the step; it waits for torchrun instead of dying.
+TORCHRUN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 _BRACKET = re.compile(r"\[([^\[\]]*)\]")
 
 
@@ -133,6 +146,14 @@ def describe_layout(nnodes: int, nproc: int, tp_size: int) -> str:
     return f"{nnodes} nodes x {nproc} ranks = {world} ranks: DP {world // tp_size} x TP {tp_size} ({where})"
 
 
+def ranks_per_node(env: Mapping[str, str], nproc: int | None) -> int:
+    """``nproc`` when given, else one per GPU (SLURM_GPUS_ON_NODE), else one per task, else 1."""
+    if nproc is not None:
+        return nproc
+    found = _first(env, "SLURM_GPUS_ON_NODE", "SLURM_NTASKS_PER_NODE")
+    return _positive_int(*found) if found else 1
+
+
 def build_command(env: Mapping[str, str], nproc: int | None, port: int, passthrough: list[str], *,
                   hostnames: Callable[[str], list[str]] = resolve_hostnames, tp_size: int | None = None) -> list[str]:
     """The torchrun argv for this allocation; raises SlurmEnvError naming the bad variable."""
@@ -146,9 +167,7 @@ def build_command(env: Mapping[str, str], nproc: int | None, port: int, passthro
     # A count that disagrees with the list would leave torchrun waiting for nodes that never come.
     if len(hosts) != nnodes:
         raise SlurmEnvError(f"SLURM_JOB_NUM_NODES={nnodes} but {list_var}={nodelist!r} names {len(hosts)} hosts")
-    if nproc is None:
-        found = _first(env, "SLURM_GPUS_ON_NODE", "SLURM_NTASKS_PER_NODE")
-        nproc = _positive_int(*found) if found else 1
+    nproc = ranks_per_node(env, nproc)
     if tp_size is not None:
         print(f"torchrun_cmd: {describe_layout(nnodes, nproc, tp_size)}", file=sys.stderr)
         passthrough = [*passthrough, f"parallel.tp_size={tp_size}"]
@@ -179,7 +198,7 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     env = os.environ if environ is None else environ
     parser = argparse.ArgumentParser(
         prog="torchrun_cmd.py", usage="%(prog)s [--dry-run] [--nproc-per-node N] [--tp-size T] [--rdzv-port PORT] -- launch.py ...",
-        description="Build the torchrun command for this Slurm allocation and exec it (or print it).")
+        description="Build the torchrun command for this Slurm allocation and run it (or print it).")
     parser.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     parser.add_argument("--nproc-per-node", type=_nproc, default=None,
                         help="ranks per node (default: SLURM_GPUS_ON_NODE, else SLURM_NTASKS_PER_NODE, else 1)")
@@ -202,14 +221,50 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         print(shlex.join(cmd))
         return 0
     # Every node logs into the same job output file: say which node this line comes from.
-    print(f"torchrun_cmd [node {env.get('SLURM_NODEID', '?')}]: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    node = f"torchrun_cmd [node {env.get('SLURM_NODEID', '?')}]"
+    print(f"{node}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
     sys.stdout.flush()
-    try:
-        os.execvp(cmd[0], cmd)  # replace this process so srun's signals reach torchrun directly
-    except OSError as exc:
-        print(f"torchrun_cmd: error: cannot run {cmd[0]}: {exc}", file=sys.stderr)
-        return 127
-    return 0  # not reached: execvp only returns by raising
+    return run(cmd, ranks_per_node(env, args.nproc_per_node), node)
+
+
+def node_exit_code(torchrun_code: int, rank_codes: Mapping[int, int], nproc: int) -> int:
+    """This node's exit code: its ranks' own when all ``nproc`` of them left one, else torchrun's.
+
+    torchrun answers SIGTERM by passing it on to its ranks and waiting for them, then exits 1 whatever they
+    returned; the ranks of a job that finished its last rows while draining all exit 0, and the batch script
+    must not requeue it. Ranks that all drained with rows left (143, some with 0) give 143; any other failure,
+    or a rank that left no code (killed, crashed), keeps torchrun's code.
+    """
+    if torchrun_code == 0 or len(rank_codes) < nproc:
+        return torchrun_code
+    failed = {code for code in rank_codes.values() if code != 0}
+    if not failed:
+        return 0
+    return EXIT_PREEMPTED if failed == {EXIT_PREEMPTED} else torchrun_code
+
+
+def run(cmd: list[str], nproc: int, node: str = "torchrun_cmd") -> int:
+    """Run ``cmd`` (torchrun) and return ``node_exit_code``; the ranks leave their codes in a fresh folder."""
+    got: list[str] = []
+    for sig in TORCHRUN_SIGNALS:
+        # Not passed on: torchrun has it already, and a second one would cut short its wait for the draining ranks.
+        signal.signal(sig, lambda signum, _frame: got.append(signal.Signals(signum).name))
+    with tempfile.TemporaryDirectory(prefix="tpinfer-exit-codes-") as folder:
+        try:
+            proc = subprocess.Popen(cmd, env={**os.environ, EXIT_CODE_DIR_ENV: folder})
+        except OSError as exc:
+            print(f"torchrun_cmd: error: cannot run {cmd[0]}: {exc}", file=sys.stderr)
+            return 127
+        code = proc.wait()
+        torchrun_code = 128 - code if code < 0 else code  # killed by a signal: as a shell reports it
+        rank_codes = recorded_exit_codes(folder)
+    mine = node_exit_code(torchrun_code, rank_codes, nproc)
+    if mine != torchrun_code:
+        after = f" after {', '.join(got)}" if got else ""
+        listed = ", ".join(f"rank {rank}: {c}" for rank, c in sorted(rank_codes.items()))
+        print(f"{node}: torchrun exited {torchrun_code}{after}; its ranks exited {listed}: exit {mine}",
+              file=sys.stderr, flush=True)
+    return mine
 
 
 if __name__ == "__main__":
