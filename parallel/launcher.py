@@ -5,8 +5,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import tempfile
 
 EXIT_DRAINED = 143  # a rank that drained on a signal exits 128 + SIGTERM (runtime.frontend.signals)
+# runtime.frontend.signals.EXIT_CODE_DIR_ENV (parallel does not import runtime): the folder where each rank leaves its
+# exit code (record_exit_code) as a file named by its global rank.
+EXIT_CODE_DIR_ENV = "TPINFER_EXIT_CODE_DIR"
 
 
 def exit_code_of(rank_codes: dict[int, int], first_failed: int | None = None) -> int:
@@ -24,9 +28,23 @@ def exit_code_of(rank_codes: dict[int, int], first_failed: int | None = None) ->
     return failed[first] if 0 < failed[first] < 256 else 1
 
 
+def recorded_exit_codes(folder: str) -> dict[int, int]:
+    """``{global rank: exit code}`` of the ranks that left one in ``folder`` (as runtime.frontend.signals reads it)."""
+    codes = {}
+    for name in os.listdir(folder):
+        if name.isdigit():
+            try:
+                with open(os.path.join(folder, name)) as f:
+                    codes[int(name)] = int(f.read())
+            except (OSError, ValueError):
+                continue
+    return codes
+
+
 def run_torchrun(nproc_per_node: int, script: str, script_args: list[str], stopped_code: int | None = None) -> int:
-    """``stopped_code``: the exit code after a SIGTERM, SIGINT or SIGUSR1 passed on to the ranks (default 143: a
-    job drained, resumable); a server is meant to stop, and says 0."""
+    """After a SIGTERM, SIGINT or SIGUSR1 passed on to the ranks, their own exit code (0: a job done while draining)
+    when every rank left one, else ``stopped_code`` (default 143: a job drained, resumable; a server is meant to
+    stop, and says 0). torchrun itself raises after such a signal whatever its ranks returned."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -34,17 +52,26 @@ def run_torchrun(nproc_per_node: int, script: str, script_args: list[str], stopp
     args = parse_args(["--standalone", f"--nproc-per-node={nproc_per_node}", script, *script_args])
     # torchrun passes SIGTERM on to the ranks, not SIGUSR1 (Slurm's warning before a preemption): the same drain.
     signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
-    try:
-        run(args)
-    except SignalException as exc:
-        code = EXIT_DRAINED if stopped_code is None else stopped_code  # the ranks drained, whatever the signal
-        print(f"launcher: stopped by {signal.Signals(exc.sigval).name}; the ranks have exited (exit {code})",
-              file=sys.stderr, flush=True)
-        return code
-    except ChildFailedError as exc:
-        rank_codes = {int(rank): failure.exitcode for rank, failure in exc.failures.items()}
-        code = exit_code_of(rank_codes, int(exc.get_first_failure()[0]))
-        listed = ", ".join(f"rank {rank}: {c}" for rank, c in sorted(rank_codes.items()))
-        print(f"launcher: ranks failed ({listed}); their errors are above (exit {code})", file=sys.stderr, flush=True)
-        return code
+    with tempfile.TemporaryDirectory(prefix="tpinfer-exit-codes-") as folder:
+        os.environ[EXIT_CODE_DIR_ENV] = folder  # the ranks inherit this process's environment
+        try:
+            run(args)
+        except SignalException as exc:
+            ranks = recorded_exit_codes(folder)
+            if len(ranks) == nproc_per_node:
+                code = exit_code_of(ranks)
+            else:  # a rank was killed before it could say: the ranks drained, whatever the signal
+                code = EXIT_DRAINED if stopped_code is None else stopped_code
+            print(f"launcher: stopped by {signal.Signals(exc.sigval).name}; the ranks have exited (exit {code})",
+                  file=sys.stderr, flush=True)
+            return code
+        except ChildFailedError as exc:
+            rank_codes = {int(rank): failure.exitcode for rank, failure in exc.failures.items()}
+            code = exit_code_of(rank_codes, int(exc.get_first_failure()[0]))
+            listed = ", ".join(f"rank {rank}: {c}" for rank, c in sorted(rank_codes.items()))
+            print(f"launcher: ranks failed ({listed}); their errors are above (exit {code})", file=sys.stderr,
+                  flush=True)
+            return code
+        finally:
+            os.environ.pop(EXIT_CODE_DIR_ENV, None)
     return 0

@@ -40,6 +40,56 @@ def test_the_first_failure_gives_the_code_not_the_ranks_ended_after_it():
     assert exit_code_of({0: 143, 1: 2}, first_failed=0) == 2  # a drain is never the failure
 
 
+RANK_SCRIPT = """\
+import os, signal, sys, time
+from runtime.frontend.signals import record_exit_code
+code = os.environ["RANK_CODE"] if os.environ["RANK"] == "0" else "0"
+def stop(*_):  # as launch.py's ranks: drain, then leave the code ("none": a rank that leaves none)
+    sys.exit(143 if code == "none" else record_exit_code(int(code)))
+signal.signal(signal.SIGTERM, stop)
+open(os.path.join(os.environ["MARKS"], os.environ["RANK"]), "w").close()
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize(("rank_code", "expected"), [("0", 0), ("143", EXIT_DRAINED), ("none", EXIT_DRAINED)])
+def test_after_a_signal_the_launcher_reports_the_ranks_own_code(tmp_path, rank_code, expected):
+    """torchrun raises after a signal whatever its ranks returned: ranks that all finished (a job done while
+    draining) exit 0; a rank that left no code reads as a drain, as before."""
+    (tmp_path / "rank.py").write_text(RANK_SCRIPT)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    code = "import sys; from parallel.launcher import run_torchrun; sys.exit(run_torchrun(2, 'rank.py', []))"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**_env(), "RANK_CODE": rank_code, "MARKS": str(marks)})
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(marks.iterdir())) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)  # the launcher only; torchrun passes it on
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == expected, err[-3000:]
+    assert f"launcher: stopped by SIGTERM; the ranks have exited (exit {expected})" in err
+
+
+def test_the_launcher_reads_the_folder_the_ranks_write(tmp_path, monkeypatch):
+    from parallel import launcher
+    from runtime.frontend import signals
+
+    assert launcher.EXIT_CODE_DIR_ENV == signals.EXIT_CODE_DIR_ENV
+    monkeypatch.setenv(signals.EXIT_CODE_DIR_ENV, str(tmp_path))
+    for rank, code in (("0", 143), ("3", 0)):
+        monkeypatch.setenv("RANK", rank)
+        assert signals.record_exit_code(code) == code
+    (tmp_path / "1.tmp").write_text("2")
+    assert launcher.recorded_exit_codes(str(tmp_path)) == signals.recorded_exit_codes(str(tmp_path)) == {0: 143, 3: 0}
+
+
 def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 

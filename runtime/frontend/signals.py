@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 EXIT_PREEMPTED = 143
-# A launcher that reports its ranks' own exit codes (scripts/slurm/torchrun_cmd.py) names a folder here, and each
-# rank leaves its code there as a file named by its global rank: torchrun exits 1 after any signal, whatever its
-# ranks returned, so a drain that finished the last rows would otherwise read as a failure.
+# A launcher that reports its ranks' own exit codes (scripts/slurm/torchrun_cmd.py, parallel/launcher.py) names a
+# folder here, and each rank leaves its code there as a file named by its global rank: torchrun exits 1 after any
+# signal, whatever its ranks returned, so a drain that finished the last rows would otherwise read as a failure.
 EXIT_CODE_DIR_ENV = "TPINFER_EXIT_CODE_DIR"
 # Ctrl-C drains too; a second Ctrl-C interrupts at once.
 DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
