@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cfg.job.input:
         from runtime.frontend.job_files import JobPaths
-        from runtime.frontend.job_inputs import open_input, output_format
+        from runtime.frontend.job_inputs import check_output, open_input, output_format
         from runtime.sampling_params import SamplingParams
 
         try:  # bad input fails before the model loads
@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             paths.check_distinct()
             paths.check_writable()
             paths.check_same_rows(to_yaml(cfg))
-            output_format(paths.output, open_input(paths.input, cfg.job, SamplingParams(**vars(cfg.sampling))))
+            source = open_input(paths.input, cfg.job, SamplingParams(**vars(cfg.sampling)))
+            check_output(paths.output, output_format(paths.output, source))
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

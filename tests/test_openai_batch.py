@@ -17,7 +17,7 @@ import pytest
 from runtime import LLM
 from runtime.frontend import openai_api
 from runtime.frontend.job import run_job
-from runtime.frontend.job_files import InputError, read_rows
+from runtime.frontend.job_files import InputError, drop_error_lines, read_rows
 from runtime.sampling_params import SamplingParams
 from tests.conftest import make_tiny_text_llama
 from tests.test_output_lock import kill_job
@@ -315,6 +315,36 @@ def test_a_rerun_retries_error_lines_and_keeps_one_line_per_custom_id(tiny_llama
     assert sorted(r["custom_id"] for r in results if r["error"] is None) == ["r1", "r2", "r3", "r4", "r5"]
     assert [r["error"]["code"] for r in results if r["error"]] == ["invalid_json"]  # the old error lines went
     assert json.loads(out.with_suffix(".metrics.json").read_text())["input_format"] == "openai"
+
+
+def test_an_output_of_the_other_kind_is_refused_before_anything_is_rewritten(tiny_llama_dir, tmp_path):
+    """An OpenAI batch job on an output an earlier native job wrote (or the reverse) stops, naming the file, and
+    leaves it whole: a rerun of an OpenAI job drops its error lines, and only those."""
+    batch, rows, out = tmp_path / "batch.jsonl", tmp_path / "rows.jsonl", tmp_path / "out.jsonl"
+    batch.write_text(json.dumps(_line("a", COMPLETIONS, prompt=[5, 6, 7], max_tokens=2)) + "\n")
+    rows.write_text(json.dumps({"id": 1, "prompt": [5, 6, 7], "sampling": {"max_new_tokens": 2}}) + "\n")
+    native_rows = "".join(json.dumps({"id": i, "text": "x", "finish_reason": "length", "completion_tokens": 2,
+                                      "prompt_tokens": 3}) + "\n" for i in (7, 8))
+    error = openai_api.error_line("b", '"b"', "invalid_request", "line 2: bad")
+    served = openai_api.result_line("c", '"c"', {"choices": []})
+    llm = LLM(str(tiny_llama_dir), overrides=["engine.device=cpu", "model.dtype=float32", "job.progress=false",
+                                              "model.max_seq_len=64", f"job.output={out}"])
+    for source, held, message in [(batch, native_rows, r"holds native result rows \(.*out.jsonl:1\), and this job "
+                                                       r"writes OpenAI batch result lines: use another job.output"),
+                                  (rows, json.dumps(served) + "\n", r"holds OpenAI batch result lines")]:
+        out.write_text(held)
+        llm.cfg.job.input = str(source)
+        with pytest.raises(ValueError, match=message):
+            run_job(llm, "cfg")
+        assert out.read_text() == held
+        proc = _launch(tiny_llama_dir, source, out, "model.path=/nonexistent")
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+        assert proc.returncode == 2 and len(errors) == 1 and "job.output=" in errors[0], proc.stderr
+        assert "nonexistent" not in proc.stderr  # before the model loads
+    mixed = native_rows + json.dumps(error) + "\n" + json.dumps(served) + "\n"  # as older versions could leave it
+    out.write_text(mixed)
+    assert drop_error_lines(out) == 1
+    assert out.read_text() == native_rows + json.dumps(served) + "\n"
 
 
 # ---- kill -9 and rerun -------------------------------------------------------------------------------------------

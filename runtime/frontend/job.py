@@ -35,7 +35,7 @@ from runtime.frontend.job_files import (
     result_row,
     served_custom_ids,
 )
-from runtime.frontend.job_inputs import JobInput, open_input, output_format
+from runtime.frontend.job_inputs import JobInput, check_output, open_input, output_format
 from runtime.frontend.output_lock import OutputLock, lock_path, part_locks
 from runtime.frontend.replicas import Replicas
 
@@ -93,6 +93,7 @@ def prepare(job: Any, paths: JobPaths, out_format: str, source: JobInput, replic
         if job.lock and not output_locked:
             held.enter_context(output_lock(paths.output, job.lock_wait_s))
         paths.check_same_rows(config_yaml)
+        check_output(paths.output, out_format)
         recover(paths, out_format, job.row_group_rows, job.lock_wait_s if job.lock else None)
         if out_format == "parquet":
             check_parquet_columns(paths.output, source)

@@ -419,6 +419,39 @@ def merge_parts(path: Path, results: bool = True) -> int:
     return added
 
 
+_RESULT_NAMES = {"jsonl": "native result rows", "openai": "OpenAI batch result lines"}
+
+
+def check_output_kind(output: Path, kind: str) -> None:
+    """A JSONL output (and its parts) holds results of one kind, ``kind`` (jsonl or openai), as its first result
+    line says: a rerun of an OpenAI batch job rewrites its output without its error lines, and a native job
+    would take another kind's ids for its own."""
+    for path in (output, *part_files(output)):
+        found = _first_result(path)
+        if found is not None and found[1] != kind:
+            raise ConfigError(f"job.output={output} holds {_RESULT_NAMES[found[1]]} ({path}:{found[0]}), and this "
+                              f"job writes {_RESULT_NAMES[kind]}: use another job.output, or move {path} away")
+
+
+def _first_result(path: Path) -> tuple[int, str] | None:
+    """(line number, jsonl or openai) of the first result line of ``path``; None if it holds none."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return None
+    with f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                obj = json.loads(raw)
+            except (ValueError, RecursionError):
+                continue  # a torn or zero-filled line
+            if openai_api.is_result_line(obj):
+                return line_no, "openai"
+            if isinstance(obj, dict) and "id" in obj:
+                return line_no, "jsonl"
+    return None
+
+
 def served_custom_ids(path: Path) -> set[str]:
     """Keys (the custom_id as JSON) of the requests an OpenAI batch output answers; error lines are not answers."""
     keys = set()
@@ -434,16 +467,17 @@ def served_custom_ids(path: Path) -> set[str]:
 
 def drop_error_lines(path: Path) -> int:
     """Remove an OpenAI batch output's error lines so a rerun retries them; written aside and renamed, so a kill
-    leaves the old file whole."""
+    leaves the old file whole. Every other line stays: only an error line is known to hold nothing."""
     lines = whole_lines(path, repair=True)
 
-    def served(line: bytes) -> bool:
+    def error_line(line: bytes) -> bool:
         try:
-            return openai_api.is_served(json.loads(line))
-        except ValueError:
+            obj = json.loads(line)
+        except (ValueError, RecursionError):
             return False
+        return openai_api.is_result_line(obj) and not openai_api.is_served(obj)
 
-    kept = [line for line in lines if served(line)]
+    kept = [line for line in lines if not error_line(line)]
     if len(kept) == len(lines):
         return 0
     write_atomic(path, b"".join(line + b"\n" for line in kept))

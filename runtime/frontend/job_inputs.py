@@ -7,7 +7,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime.frontend.job_files import PARQUET_SUFFIXES, InputError, JobRow, jsonl_format, read_rows
+from runtime.frontend.job_files import (
+    PARQUET_SUFFIXES,
+    InputError,
+    JobRow,
+    check_output_kind,
+    jsonl_format,
+    read_rows,
+)
 from runtime.sampling_params import SamplingParams
 
 
@@ -64,3 +71,10 @@ def output_format(output: Path, source: JobInput) -> str:
                              "must be a JSONL file, not Parquet")
         return "openai"
     return "parquet" if parquet else "jsonl"
+
+
+def check_output(output: Path, out_format: str) -> None:
+    """What ``output`` holds already is of this job's kind: checked before the model loads, and again under the
+    output's lock before anything in it is rewritten."""
+    if out_format != "parquet":
+        check_output_kind(output, out_format)

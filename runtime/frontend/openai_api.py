@@ -410,9 +410,14 @@ def engine_error_code(message: str) -> str:
     return "context_length_exceeded" if too_long else "invalid_request"
 
 
+def is_result_line(line: Any) -> bool:
+    """A batch result line, served or not: a native result row never carries these keys together."""
+    return isinstance(line, dict) and {"custom_id", "response", "error"} <= line.keys()
+
+
 def is_served(line: dict[str, Any]) -> bool:
     """A result line with a response (error lines are retried by the next run)."""
-    return isinstance(line, dict) and isinstance(line.get("response"), dict) and line.get("error") is None
+    return is_result_line(line) and isinstance(line.get("response"), dict) and line.get("error") is None
 
 
 def _digest(key: str) -> str:
