@@ -377,6 +377,38 @@ def test_a_kept_column_of_another_type_is_refused_before_serving(llm, tmp_path):
     assert out.read_bytes() == before and not part_files(out)
 
 
+def test_kept_columns_typed_differently_by_shards_lose_no_row(llm, tmp_path):
+    """A kept column of nulls in one shard and of strings in the next holds strings, ints and floats floats; a value
+    the output's column cannot hold is that row's error and every other row is written; an output whose column a
+    first run (a sample: the first shard) typed null takes the rest of the input."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    pq.write_table(pa.table({"qid": IDS[:4], "question": QUESTIONS[:4], "note": pa.array([None] * 4, pa.null()),
+                             "score": [1, 2**62 + 1, 3, 4]}), shards / "part-0.parquet")  # no double holds 2**62 + 1
+    pq.write_table(pa.table({"qid": IDS[4:], "question": QUESTIONS[4:], "note": ["a", None, "c", "d"],
+                             "score": [0.5, 1.5, 2.5, 3.5]}), shards / "part-1.parquet")
+    columns = {"id": "qid", "prompt": "question", "keep": ["note", "score"]}
+    assert TableInput(shards, "parquet", _columns(**columns)).kept_fields() == [pa.field("note", pa.string()),
+                                                                               pa.field("score", pa.float64())]
+    out = tmp_path / "out.parquet"
+    m = _job(llm, shards, out, **columns)
+    assert (m["completed"], m["errors"]) == (7, 1)
+    (error,) = [json.loads(line) for line in (tmp_path / "out.parquet.errors.jsonl").read_text().splitlines()]
+    assert error["id"] == IDS[1] and "column 'score' (double) cannot hold 4611686018427387905" in error["error"]
+    written = pq.read_table(out)
+    assert written.schema.field("note").type == pa.string() and written.num_rows == 7
+    assert dict(zip(written.column("id").to_pylist(), written.column("note").to_pylist())) == {
+        **{i: None for i in (IDS[0], *IDS[2:4])}, **dict(zip(IDS[4:], ["a", None, "c", "d"]))}
+
+    sample = tmp_path / "sample.parquet"
+    _job(llm, shards / "part-0.parquet", sample, id="qid", prompt="question", keep=["note"])
+    assert pq.read_schema(sample).field("note").type == pa.null()
+    m = _job(llm, shards, sample, id="qid", prompt="question", keep=["note"])
+    assert (m["already_done"], m["completed"]) == (4, 4)
+    written = pq.read_table(sample)
+    assert written.schema.field("note").type == pa.string() and sorted(written.column("id").to_pylist()) == sorted(IDS)
+
+
 def test_an_empty_table_gives_an_empty_parquet_output_with_its_columns(llm, tmp_path):
     pq.write_table(pa.table({"qid": pa.array([], pa.int64()), "question": pa.array([], pa.string())}),
                    tmp_path / "empty.parquet")

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from parallel.state import get_tp
 from runtime.config import ConfigError
@@ -38,6 +38,9 @@ from runtime.frontend.job_files import (
 from runtime.frontend.job_inputs import JobInput, check_output, open_input, output_format
 from runtime.frontend.output_lock import OutputLock, lock_path, part_locks
 from runtime.frontend.replicas import Replicas
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 log = logging.getLogger(__name__)
 
@@ -235,11 +238,9 @@ class Todo:
         return found
 
 
-def _id_type(source: JobInput, todo: Todo, output: Path) -> str:
-    """int or str: the Parquet id column's type, decided the same way on every replica."""
-    from runtime.frontend import parquet_output
-
-    existing = parquet_output.existing_schema(output)
+def _id_type(source: JobInput, todo: Todo, existing: pa.Schema | None) -> str:
+    """int or str: the Parquet id column's type, decided the same way on every replica (``existing``: the
+    output's schema, if it holds rows)."""
     if existing is not None:
         import pyarrow as pa
 
@@ -255,7 +256,9 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: Todo, out_format:
     if out_format == "parquet":
         from runtime.frontend import parquet_output
 
-        schema = parquet_output.result_schema(_id_type(source, todo, paths.output), source.kept, source.id_note)
+        existing = parquet_output.existing_schema(paths.output)
+        schema = parquet_output.result_schema(_id_type(source, todo, existing),
+                                              parquet_output.adopt_kept_types(existing, source.kept), source.id_note)
         outputs: Any = parquet_output.ParquetSink(paths.output, replicas.index, schema, job.row_group_rows,
                                                   job.fsync_every_s)
     else:

@@ -44,6 +44,9 @@ def result_schema(id_type: str, kept: list[pa.Field], id_note: str | None = None
     return pa.schema(fields, metadata={ID_NOTE_KEY: id_note.encode()} if id_note else None)
 
 
+_RESULT_NAMES = frozenset(result_schema("int", []).names)
+
+
 def _entries(entries: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     if entries is None:
         return None
@@ -71,14 +74,17 @@ class ParquetSink:
         self.prefix = f"{output.name}.part-{replica}-{time.time_ns()}-"  # never a name an earlier run used
         self.row_group_rows, self.flush_every_s = row_group_rows, flush_every_s
         self.id_is_int = pa.types.is_integer(schema.field("id").type)
+        self.kept = [f for f in schema if f.name not in _RESULT_NAMES]
         self.rows: list[dict[str, Any]] = []
         self.first_at = 0.0
         self.flushed = 0
 
     def write(self, record: dict[str, Any]) -> None:
-        """Raises ValueError (nothing written) for an id the output's id column cannot hold: one of the other
-        type, an integer beyond int64, a string that is not valid Unicode."""
+        """Raises ValueError (nothing written) for a row the output's columns cannot hold: an id of the other
+        type, an integer beyond int64, a string that is not valid Unicode, a kept value its column's type cannot
+        hold. Checked here, one row at a time, so such a row never reaches the buffer the others share."""
         self._check_id(record["id"])
+        self._check_kept(record)
         if not self.rows:
             self.first_at = time.monotonic()
         self.rows.append(_parquet_row(record))
@@ -101,6 +107,18 @@ class ParquetSink:
             except UnicodeEncodeError:
                 raise ValueError(f"id {value!r} is not valid Unicode (a lone surrogate): Parquet cannot store "
                                  "it; write it to a JSONL output") from None
+
+    def _check_kept(self, record: dict[str, Any]) -> None:
+        """The input's values, converted as the flush converts each column (pa.array with its type); the other
+        columns hold what the job made, of their types."""
+        for field in self.kept:
+            value = record.get(field.name)
+            try:
+                pa.array([value], field.type)
+            except (pa.ArrowException, OverflowError) as exc:
+                shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+                raise ValueError(f"the Parquet output's column {field.name!r} ({field.type}) cannot hold {shown} "
+                                 f"({str(exc).splitlines()[0]}); write this row to a JSONL output") from None
 
     def tick(self) -> None:
         """Flush rows that have waited job.fsync_every_s, whether or not another row finishes: a kill loses
@@ -163,9 +181,22 @@ def _typed(schema: pa.Schema) -> str:
 
 
 def kept_type_changes(existing: pa.Schema, kept: list[pa.Field]) -> list[str]:
-    """Kept columns whose type differs between an output and this job's input, as 'name: <then> then, <now> now'."""
+    """Kept columns whose type differs between an output and this job's input, as 'name: <then> then, <now> now'.
+    A column of nulls (typed null) holds no type: it goes with any."""
     have = {f.name: f.type for f in existing}
-    return [f"{f.name}: {have[f.name]} then, {f.type} now" for f in kept if f.name in have and have[f.name] != f.type]
+    return [f"{f.name}: {have[f.name]} then, {f.type} now" for f in kept
+            if f.name in have and have[f.name] != f.type and not _null(have[f.name], f.type)]
+
+
+def _null(*types: pa.DataType) -> bool:
+    return any(pa.types.is_null(t) for t in types)
+
+
+def adopt_kept_types(existing: pa.Schema | None, kept: list[pa.Field]) -> list[pa.Field]:
+    """A kept column of nulls in this input takes the type the output gave it already, so the rows merge."""
+    if existing is None:
+        return kept
+    return [existing.field(f.name) if pa.types.is_null(f.type) and f.name in existing.names else f for f in kept]
 
 
 def _keys(ids: list[Any]) -> list[str]:
@@ -203,10 +234,12 @@ def merge_parts(output: Path, row_group_rows: int) -> int:
         return 0
     schema = sources[0][1].schema_arrow
     for f, reader in sources[1:]:
-        if not reader.schema_arrow.equals(schema):
+        try:  # a column of nulls in one takes the other's type
+            schema = pa.unify_schemas([schema, reader.schema_arrow])
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
             raise ValueError(f"{f} has columns {_typed(reader.schema_arrow)}, {sources[0][0]} has {_typed(schema)}: "
                              "parts of one output must have the same columns and types (was job.columns.keep "
-                             "changed, or a kept column's type in the input?)")
+                             "changed, or a kept column's type in the input?)") from None
     seen: set[str] = set()
     added = 0
     tmp = output.with_name(f".{output.name}.merging")
@@ -224,7 +257,7 @@ def merge_parts(output: Path, row_group_rows: int) -> int:
 
         for path, reader in sources:
             for batch in reader.iter_batches(batch_size=row_group_rows):
-                batch = pa.RecordBatch.from_arrays(batch.columns, schema=schema)
+                batch = batch.cast(schema)
                 keys = _keys(batch.column(0).to_pylist())
                 keep = [k not in seen and not seen.add(k) for k in keys]
                 if not all(keep):

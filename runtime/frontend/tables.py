@@ -65,8 +65,10 @@ class TableInput:
     def __init__(self, path: Path, kind: str, columns: Any) -> None:
         self.path, self.kind = path, kind
         self.files = self._files()
-        self.schema = self._schema(self.files[0])
+        schemas = [self._schema(file) for file in self.files]
+        self.schema = schemas[0]
         self.columns = self._choose(columns)
+        self._kept = self._kept_types(schemas)
 
     @property
     def id_note(self) -> str | None:
@@ -84,7 +86,29 @@ class TableInput:
         return "str" if pa.types.is_string(kind) or pa.types.is_large_string(kind) else None
 
     def kept_fields(self) -> list[pa.Field]:
-        return [self.schema.field(name) for name in self.columns.keep]
+        return self._kept
+
+    @property
+    def wanted(self) -> list[str]:
+        """The chosen columns, each once."""
+        c = self.columns
+        return list(dict.fromkeys(n for n in (c.id, c.prompt, c.messages, *c.keep) if n))
+
+    def _kept_types(self, schemas: list[pa.Schema]) -> list[pa.Field]:
+        """Every file holds the chosen columns; a kept column's type is one that holds its values in every file
+        (a shard of nulls is typed null, another's strings are strings: strings)."""
+        for file, schema in zip(self.files, schemas):
+            absent = [n for n in self.wanted if n not in schema.names]
+            if absent:
+                raise InputError(f"{file} has no column(s) {absent}; its columns: {schema.names}")
+        keep = self.columns.keep
+        try:
+            unified = pa.unify_schemas([pa.schema([s.field(n) for n in keep]) for s in schemas],
+                                       promote_options="permissive")
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+            raise InputError(f"job.input={self.path}: the files of this input give a kept column types no one type "
+                             f"holds ({_first_line(exc)}); give it one type in every file") from None
+        return list(unified)
 
     def _files(self) -> list[Path]:
         path = self.path
@@ -153,8 +177,7 @@ class TableInput:
 
     def batches(self) -> Iterator[pa.RecordBatch]:
         """The chosen columns, in row order, a batch at a time."""
-        c = self.columns
-        wanted = list(dict.fromkeys(n for n in (c.id, c.prompt, c.messages, *c.keep) if n))
+        wanted = self.wanted
         for file in self.files:
             try:
                 yield from self._file_batches(file, wanted)
@@ -164,20 +187,13 @@ class TableInput:
 
     def _file_batches(self, file: Path, wanted: list[str]) -> Iterator[pa.RecordBatch]:
         if self.kind == "parquet":
-            reader = pq.ParquetFile(file)
-            absent = [n for n in wanted if n not in reader.schema_arrow.names]
-            if absent:
-                raise InputError(f"{file} has no column(s) {absent}; its columns: {reader.schema_arrow.names}")
-            yield from reader.iter_batches(batch_size=BATCH_ROWS, columns=wanted)
+            yield from pq.ParquetFile(file).iter_batches(batch_size=BATCH_ROWS, columns=wanted)
         elif self.kind == "csv":
             text = dict.fromkeys(wanted, pa.string())
             yield from pa_csv.open_csv(file, parse_options=self._csv_parse(),
                                        convert_options=pa_csv.ConvertOptions(include_columns=wanted, column_types=text))
         else:
             reader = self._open_arrow(file)
-            absent = [n for n in wanted if n not in reader.schema.names]
-            if absent:
-                raise InputError(f"{file} has no column(s) {absent}; its columns: {reader.schema.names}")
             batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) \
                 if isinstance(reader, pa.ipc.RecordBatchFileReader) else reader
             for batch in batches:
