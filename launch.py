@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             paths.check_writable()
             paths.check_same_rows(to_yaml(cfg))
             source = open_input(paths.input, cfg.job, SamplingParams(**vars(cfg.sampling)))
-            check_output(paths.output, output_format(paths.output, source))
+            check_output(paths.output, output_format(paths.output, source), source, repair=False)
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -409,6 +409,36 @@ def test_kept_columns_typed_differently_by_shards_lose_no_row(llm, tmp_path):
     assert written.schema.field("note").type == pa.string() and sorted(written.column("id").to_pylist()) == sorted(IDS)
 
 
+def test_a_parquet_output_of_kept_types_parquet_stores_otherwise_resumes(llm, tmp_path):
+    """Parquet reads timestamp[s] back as timestamp[ms], time32[s] as time32[ms] and date64 as date32: a rerun of
+    a job that keeps such columns (an Arrow input's) resumes; a type that did change stops it before the model
+    loads."""
+    import datetime
+
+    when = datetime.datetime(2024, 5, 6, 7, 8, 9)
+    table = pa.table({"qid": IDS, "question": QUESTIONS, "when": pa.array([when] * 8, pa.timestamp("s")),
+                      "at": pa.array([datetime.time(7, 8, 9)] * 8, pa.time32("s")),
+                      "day": pa.array([when] * 8, pa.date64())})
+    source, out = tmp_path / "in.arrow", tmp_path / "out.parquet"
+    columns = {"id": "qid", "prompt": "question", "keep": ["when", "at", "day"]}
+    for rows in (table.slice(0, 4), table):  # killed after 4 rows, then rerun
+        with pa.ipc.new_file(source, rows.schema) as w:
+            w.write_table(rows)
+        m = _job(llm, source, out, **columns)
+    assert (m["already_done"], m["completed"]) == (4, 4)
+    assert set(pq.read_table(out).column("when").to_pylist()) == {when}
+    changed = table.set_column(3, "at", pa.array([datetime.time(7, 8, 9)] * 8, pa.time64("us")))
+    with pa.ipc.new_file(source, changed.schema) as w:
+        w.write_table(changed)
+    proc = subprocess.run([sys.executable, "launch.py", "model.path=/nonexistent", f"job.input={source}",
+                           f"job.output={out}", "job.columns.id=qid", "job.columns.prompt=question",
+                           "job.columns.keep=[when,at,day]"], cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+    assert "(at: time32[ms] then, time64[us] now)" in errors[0] and "nonexistent" not in proc.stderr
+
+
 def test_an_empty_table_gives_an_empty_parquet_output_with_its_columns(llm, tmp_path):
     pq.write_table(pa.table({"qid": pa.array([], pa.int64()), "question": pa.array([], pa.string())}),
                    tmp_path / "empty.parquet")

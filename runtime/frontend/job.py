@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from parallel.state import get_tp
-from runtime.config import ConfigError
 from runtime.frontend import openai_api
 from runtime.frontend.job_files import (
     JobPaths,
@@ -96,10 +95,8 @@ def prepare(job: Any, paths: JobPaths, out_format: str, source: JobInput, replic
         if job.lock and not output_locked:
             held.enter_context(output_lock(paths.output, job.lock_wait_s))
         paths.check_same_rows(config_yaml)
-        check_output(paths.output, out_format)
+        check_output(paths.output, out_format, source)
         recover(paths, out_format, job.row_group_rows, job.lock_wait_s if job.lock else None)
-        if out_format == "parquet":
-            check_parquet_columns(paths.output, source)
         for stale in part_files(paths.errors):
             stale.unlink()
         paths.config.parent.mkdir(parents=True, exist_ok=True)
@@ -116,21 +113,6 @@ def prepare(job: Any, paths: JobPaths, out_format: str, source: JobInput, replic
     todo.fill(0)
     replicas.barrier("planned")  # every replica reads the same output before anyone appends
     return todo
-
-
-def check_parquet_columns(output: Path, source: JobInput) -> None:
-    """A Parquet output's rows share one set of columns: a job that would write others stops before serving."""
-    from runtime.frontend import parquet_output
-
-    existing = parquet_output.existing_schema(output)
-    wanted = parquet_output.result_schema("int", source.kept).names
-    if existing is not None and existing.names != wanted:
-        raise ConfigError(f"job.output={output} has columns {existing.names}; this job writes {wanted} (kept "
-                          "columns come from job.columns.keep): use another job.output, or keep the same columns")
-    changed = parquet_output.kept_type_changes(existing, source.kept) if existing is not None else []
-    if changed:
-        raise ConfigError(f"job.output={output} keeps columns of other types than job.input has now "
-                          f"({'; '.join(changed)}): use another job.output, or give the input the output's types")
 
 
 def output_lock(output: Path, wait_s: float) -> OutputLock:

@@ -18,6 +18,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from runtime.config import ConfigError
 from runtime.frontend.job_files import normalize_id, part_files, sync_dir
 
 log = logging.getLogger(__name__)
@@ -152,12 +153,15 @@ def write_table_atomic(table: pa.Table, path: Path, row_group_rows: int) -> None
     os.replace(tmp, path)
 
 
-def _readable(files: list[Path]) -> Iterator[tuple[Path, pq.ParquetFile]]:
-    """The files that open as Parquet; a damaged one is renamed aside with a warning and its rows served again."""
+def _readable(files: list[Path], repair: bool = True) -> Iterator[tuple[Path, pq.ParquetFile]]:
+    """The files that open as Parquet; a damaged one is renamed aside with a warning and its rows served again
+    (``repair``; else it is skipped: a check before the lock is taken changes nothing)."""
     for f in files:
         try:
             yield f, pq.ParquetFile(f)
         except (pa.ArrowException, OSError) as exc:
+            if not repair:
+                continue
             aside = f.with_name(f".{f.name}.unreadable")
             log.warning("%s is not readable Parquet (%s); moved to %s, its rows are served again", f, exc, aside)
             os.replace(f, aside)
@@ -167,10 +171,10 @@ def _sources(output: Path) -> list[Path]:
     return ([output] if output.exists() else []) + part_files(output)
 
 
-def existing_schema(output: Path) -> pa.Schema | None:
+def existing_schema(output: Path, repair: bool = True) -> pa.Schema | None:
     """The schema of the output or of its first part that holds rows: an empty table (an empty input's output)
     decides nothing, since its id column's type was a guess."""
-    for _, reader in _readable(_sources(output)):
+    for _, reader in _readable(_sources(output), repair):
         if reader.metadata.num_rows > 0:
             return reader.schema_arrow
     return None
@@ -180,12 +184,38 @@ def _typed(schema: pa.Schema) -> str:
     return ", ".join(f"{f.name}: {f.type}" for f in schema)
 
 
+def check_columns(output: Path, kept: list[pa.Field], repair: bool = True) -> None:
+    """A Parquet output's rows share one set of columns and types: a job that would write others stops before
+    serving (``repair``: as existing_schema)."""
+    existing = existing_schema(output, repair)
+    if existing is None:
+        return
+    wanted = result_schema("int", kept).names
+    if existing.names != wanted:
+        raise ConfigError(f"job.output={output} has columns {existing.names}; this job writes {wanted} (kept "
+                          "columns come from job.columns.keep): use another job.output, or keep the same columns")
+    changed = kept_type_changes(existing, kept)
+    if changed:
+        raise ConfigError(f"job.output={output} keeps columns of other types than job.input has now "
+                          f"({'; '.join(changed)}): use another job.output, or give the input the output's types")
+
+
 def kept_type_changes(existing: pa.Schema, kept: list[pa.Field]) -> list[str]:
     """Kept columns whose type differs between an output and this job's input, as 'name: <then> then, <now> now'.
-    A column of nulls (typed null) holds no type: it goes with any."""
+    The output's types are what Parquet reads back, and a column of nulls (typed null) goes with any type."""
     have = {f.name: f.type for f in existing}
-    return [f"{f.name}: {have[f.name]} then, {f.type} now" for f in kept
-            if f.name in have and have[f.name] != f.type and not _null(have[f.name], f.type)]
+    return [f"{f.name}: {have[f.name]} then, {f.type} now" for f, stored in zip(kept, stored_types(kept))
+            if f.name in have and have[f.name] != stored and not _null(have[f.name], stored)]
+
+
+def stored_types(fields: list[pa.Field]) -> list[pa.DataType]:
+    """The types Parquet gives ``fields`` back as: timestamp[s] comes back timestamp[ms], time32[s] time32[ms],
+    date64 date32 (asked of the writer and reader themselves, so nested and future cases agree too)."""
+    if not fields:
+        return []
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.schema(fields).empty_table(), sink)
+    return pq.read_schema(pa.BufferReader(sink.getvalue())).types
 
 
 def _null(*types: pa.DataType) -> bool:
