@@ -22,7 +22,7 @@ import pytest
 from runtime import LLM
 from runtime.config import JobColumnsSection
 from runtime.frontend import parquet_output
-from runtime.frontend.job import Todo, run_job
+from runtime.frontend.job import Todo, plan, run_job
 from runtime.frontend.job_files import InputError, JobRow, json_line, part_files
 from runtime.frontend.tables import TableInput, table_kind
 from tests.conftest import make_tiny_llama
@@ -139,6 +139,25 @@ def test_chat_columns_and_sharegpt_conversations(llm, tmp_path):
     pq.write_table(pa.table({"conversations": sharegpt}), tmp_path / "sharegpt.parquet")
     _job(llm, tmp_path / "sharegpt.parquet", tmp_path / "sharegpt.jsonl", messages="conversations")
     assert _texts(tmp_path / "chats.jsonl") == _texts(tmp_path / "sharegpt.jsonl") == _texts(tmp_path / "ref.jsonl")
+
+
+def test_messages_with_fields_json_has_no_type_for_give_the_plain_chats_texts(llm, tmp_path):
+    """WildChat's messages carry a timestamp and more besides role and content: what the template reads is kept,
+    and planning a row with such values crashes nothing."""
+    import datetime
+
+    when = datetime.datetime(2023, 4, 9, 0, 2, 53, tzinfo=datetime.timezone.utc)
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS[:4]]
+    pq.write_table(pa.table({"conversation": chats}), tmp_path / "plain.parquet")
+    pq.write_table(pa.table({"conversation": [[{**m, "timestamp": when, "toxic": False} for m in c] for c in chats]}),
+                   tmp_path / "wildchat.parquet")
+    table = TableInput(tmp_path / "wildchat.parquet", "parquet", _columns(messages="conversation", prompt=None))
+    rows = list(table.rows(llm_defaults(), chat_template=True))
+    assert [r.prompt for r in rows] == chats
+    assert len(plan([replace(rows[0], prompt=[{"role": "user", "content": "x", "at": when}]), *rows], set())) == 5
+    _job(llm, tmp_path / "plain.parquet", tmp_path / "plain.jsonl", messages="conversation", prompt=None)
+    m = _job(llm, tmp_path / "wildchat.parquet", tmp_path / "wildchat.jsonl", messages="conversation", prompt=None)
+    assert m["completed"] == 4 and _texts(tmp_path / "wildchat.jsonl") == _texts(tmp_path / "plain.jsonl")
 
 
 def test_kept_columns_and_row_numbers_as_ids(llm, reference, tmp_path):

@@ -160,8 +160,8 @@ def plan(rows: list[JobRow], done: set[str]) -> list[JobRow]:
     """Unparsable rows first, then outliers longest first (started last, they would keep one replica busy
     alone), then the rest in input order; fully longest-first starts the long rows together and is slower."""
 
-    def expected_work(row: JobRow) -> int:
-        return len(json.dumps(row.prompt)) // 4 + row.sampling.max_new_tokens * row.sampling.n  # ~4 chars a token
+    def expected_work(row: JobRow) -> int:  # ~4 characters a token; a value JSON has no type for counts as text
+        return len(json.dumps(row.prompt, default=str)) // 4 + row.sampling.max_new_tokens * row.sampling.n
 
     todo = [r for r in rows if r.error is not None or r.key not in done]
     good = [r for r in todo if r.error is None]

@@ -21,6 +21,7 @@ SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "csv
             ".feather": "arrow", ".ipc": "arrow"}
 RESULT_COLUMNS = ("id", "text", "finish_reason", "completion_tokens", "prompt_tokens", "logprobs",
                   "cumulative_logprob", "choices", "prompt_logprobs")
+_MESSAGE_KEYS = ("role", "content")
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "system": "system", "tool": "tool"}
 
@@ -256,7 +257,9 @@ def _messages(value: Any) -> list[dict[str, Any]]:
         raise ValueError(f"must hold a non-empty list of messages, not {_kind(value)}")
     if all("from" in m and "value" in m and "role" not in m for m in value):
         return [{"role": _SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m["value"]} for m in value]
-    return value
+    # What a text chat's template reads: a dataset's other fields (WildChat's timestamp, toxic...) may be
+    # values JSON and templates have no use for.
+    return [{k: m[k] for k in _MESSAGE_KEYS if k in m} for m in value]
 
 
 def _kind(value: Any) -> str:
