@@ -251,6 +251,26 @@ def test_a_native_row_may_carry_url_body_or_custom_id_keys(tmp_path):
                                                                                             (3, None)]
 
 
+def test_a_row_that_reads_as_both_kinds_is_native_unless_job_format_says_openai(tmp_path):
+    """A native row may carry a url and an object body of its own (a crawled page); an OpenAI batch line may keep
+    its prompt beside its body: job.format decides such a file, auto reads it as native rows."""
+    from runtime.frontend.job_files import jsonl_format, read_rows
+    from runtime.sampling_params import SamplingParams
+
+    rows, batch = tmp_path / "rows.jsonl", tmp_path / "batch.jsonl"
+    chat = [{"role": "user", "content": "Hi"}]
+    _write(rows, [json.dumps({"id": 1, "prompt": "Summarize.", "url": "https://x/1", "body": {"html": "<p/>"}}).encode(),
+                  json.dumps({"id": 2, "messages": chat, "custom_id": "c2", "url": "/v1/chat/completions",
+                              "body": {"messages": chat}}).encode()])
+    assert jsonl_format(rows) == jsonl_format(rows, "native") == "native"
+    assert [(r.id, r.error) for r in read_rows(rows, SamplingParams(), True, "auto")] == [(1, None), (2, None)]
+    _write(batch, [json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "prompt": "Hi",
+                               "body": {"prompt": "Hi", "max_tokens": 2}}).encode()])
+    assert jsonl_format(batch) == "native" and jsonl_format(batch, "openai") == "openai"
+    (row,) = read_rows(batch, SamplingParams(), True, "openai")
+    assert (row.id, row.error, row.request.url) == ("a", None, "/v1/completions")
+
+
 def test_a_utf8_bom_before_the_first_row_is_not_part_of_it(tmp_path):
     from runtime.frontend.job_files import jsonl_format, read_rows
     from runtime.sampling_params import SamplingParams

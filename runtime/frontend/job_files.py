@@ -181,7 +181,7 @@ def read_rows(path: Path, defaults: SamplingParams, chat_template: bool, fmt: st
                 yield JobRow(line_no, _salvage_custom_id(raw) if kind == "openai" else None, error=error,
                              code="invalid_json")
                 continue
-            found = row_kind(obj)
+            found = row_kind(obj, kind)
             if found is not None and found != kind:
                 raise InputError(f"{path}:{line_no} is {_KIND_NAMES[found]} in a file of {_KIND_PLURALS[kind]} "
                                  f"({'job.format=' + fmt if fmt != 'auto' else 'as its first row says'}); "
@@ -196,17 +196,19 @@ _KIND_NAMES = {"native": "a native row ({id, prompt | messages})", "openai": "an
 _KIND_PLURALS = {"native": "native rows", "openai": "OpenAI batch lines"}
 
 
-def row_kind(obj: Any) -> str | None:
-    """openai, native, or None (an error row either way)."""
+def row_kind(obj: Any, fmt: str = "auto") -> str | None:
+    """openai, native, or None (an error row either way). A native row's prompt is at the top, and it may carry
+    url, body (even an object) or custom_id keys of its own; an OpenAI batch line's request is its body object.
+    A row that reads as both is native, unless ``fmt`` (job.format) says openai."""
     if not isinstance(obj, dict):
         return None
-    # An OpenAI batch line's request is its body object; a native row's prompt is at the top, and it may carry
-    # url, body (a page's text) or custom_id keys of its own.
-    if isinstance(obj.get("body"), dict) and ("custom_id" in obj or "url" in obj):
-        return "openai"
-    if "prompt" in obj or "messages" in obj:
+    native = "prompt" in obj or "messages" in obj
+    openai = "custom_id" in obj or ("url" in obj and isinstance(obj.get("body"), dict))
+    if native and openai and fmt != "auto":
+        return fmt
+    if native:
         return "native"
-    if "custom_id" in obj or ("url" in obj and "body" in obj):
+    if openai:
         return "openai"
     return "native" if "id" in obj else None
 
@@ -218,7 +220,7 @@ def jsonl_format(path: Path, forced: str = "auto") -> str:
     with open(path, "rb") as f:
         for raw in f:
             try:
-                found = row_kind(json.loads(raw.removeprefix(codecs.BOM_UTF8)))
+                found = row_kind(json.loads(raw.removeprefix(codecs.BOM_UTF8)), forced)
             except (ValueError, RecursionError):
                 continue
             if found is not None:
