@@ -224,6 +224,23 @@ def test_csv_columns_are_read_as_written(tmp_path):
     assert rows[0].keep == {"tag": "007"} and rows[-1].keep == {"tag": "abc"}
 
 
+def test_a_quote_never_swallows_the_rows_after_it(tmp_path):
+    """A TSV has no quoting: a field starting with '"' is text. A CSV keeps RFC 4180 quoting (a quoted field may
+    hold newlines and doubled quotes), and one whose quoted field is never closed, which pyarrow would read to the
+    end of the file, is refused, naming its line."""
+    tsv = tmp_path / "in.tsv"
+    tsv.write_text('id\tprompt\n1\t"Hello, he said\n2\tworld\n3\tx\n')
+    rows = list(TableInput(tsv, "csv", _columns()).rows(llm_defaults(), chat_template=False))
+    assert [(r.id, r.prompt) for r in rows] == [("1", '"Hello, he said'), ("2", "world"), ("3", "x")]
+    csv = tmp_path / "in.csv"
+    csv.write_text('id,prompt\n1,"a ""quoted"" word\non two lines"\n2,5" screen\n3,"b"\n')
+    rows = list(TableInput(csv, "csv", _columns()).rows(llm_defaults(), chat_template=False))
+    assert [(r.id, r.prompt) for r in rows] == [("1", 'a "quoted" word\non two lines'), ("2", '5" screen'), ("3", "b")]
+    csv.write_text('id,prompt\n1,fine\n2,"Hello, he said\n3,world\n4,x\n')
+    with pytest.raises(InputError, match="the quoted field that opens on line 3 is never closed"):
+        TableInput(csv, "csv", _columns())
+
+
 # ---- bad inputs --------------------------------------------------------------------------------------------------
 def _columns(**names: object) -> JobColumnsSection:
     return JobColumnsSection(**names)

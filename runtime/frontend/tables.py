@@ -3,7 +3,11 @@ time so a table larger than memory streams. Without an id column the row number 
 
 from __future__ import annotations
 
+import codecs
 import json
+import mmap
+import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +71,8 @@ class TableInput:
         self.path, self.kind = path, kind
         self.files = self._files()
         schemas = [self._schema(file) for file in self.files]
+        if kind == "csv" and not self._tsv:
+            self._check_quotes()
         self.schema = schemas[0]
         self.columns = self._choose(columns)
         self._kept = self._kept_types(schemas)
@@ -136,9 +142,29 @@ class TableInput:
             raise InputError(f"job.input={file} is not a readable {_KIND_NAMES[self.kind]} file: "
                              f"{_first_line(exc)}") from None
 
+    @property
+    def _tsv(self) -> bool:
+        return self.path.suffix.lower() == ".tsv"
+
     def _csv_parse(self) -> pa_csv.ParseOptions:
-        return pa_csv.ParseOptions(delimiter="\t" if self.path.suffix.lower() == ".tsv" else ",",
+        # Tab-separated values have no quoting: a '"' starting a field is text, never the start of a field that
+        # runs on over the next rows.
+        return pa_csv.ParseOptions(delimiter="\t" if self._tsv else ",", quote_char=False if self._tsv else '"',
                                    newlines_in_values=True)
+
+    def _check_quotes(self) -> None:
+        """pyarrow ends a quoted field that is never closed at the end of the file, every row after it inside
+        that field, without a word: such a CSV is refused, naming the line."""
+        with open(self.path, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                return
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                at = _unclosed_quote(data)
+                if at is not None:
+                    line = data[:at].count(b"\n") + 1
+                    raise InputError(f"job.input={self.path}: the quoted field that opens on line {line} is never "
+                                     "closed, so every row after it would be read into it; close it (a quote inside "
+                                     'a quoted field is written twice: "")')
 
     @staticmethod
     def _open_arrow(file: Path) -> Any:
@@ -235,6 +261,26 @@ class TableInput:
         if isinstance(prompt, str) and chat_template:
             prompt = [{"role": "user", "content": prompt}]
         return JobRow(number, row_id, prompt=prompt, sampling=defaults)
+
+
+_QUOTED = re.compile(rb'"[^"]*(?:""[^"]*)*"(?!")')  # a closed quoted CSV field ("" is a quote inside it)
+_FIELD_ENDS = b",\r\n"
+
+
+def _unclosed_quote(data: Any) -> int | None:
+    """The offset of a quoted field that ``data`` (CSV, as pyarrow parses it: a quote opens a field only at its
+    start, elsewhere it is text) never closes; None if there is none. One pass, at memchr speed between quotes."""
+    first = len(codecs.BOM_UTF8) if data[: len(codecs.BOM_UTF8)] == codecs.BOM_UTF8 else 0
+    pos = first
+    while (at := data.find(b'"', pos)) != -1:
+        if at == first or data[at - 1] in _FIELD_ENDS:
+            closed = _QUOTED.match(data, at)
+            if closed is None:
+                return at
+            pos = closed.end()
+        else:
+            pos = at + 1
+    return None
 
 
 def _prompt(value: Any) -> str | list[int]:
