@@ -212,6 +212,29 @@ def test_an_output_that_cannot_be_written_fails_before_the_model_loads(tmp_path)
     assert rows.is_file()
 
 
+def test_column_names_set_for_a_jsonl_input_are_refused_before_the_model_loads(tmp_path):
+    """job.columns names a table's columns: for JSONL rows, which name their own keys, it would be ignored."""
+    from runtime.config import load_config
+    from runtime.frontend.job_inputs import open_input
+    from runtime.sampling_params import SamplingParams
+
+    rows = tmp_path / "rows.jsonl"
+    _write(rows, [json.dumps({"id": 1, "question": "Hi", "prompt": "Yo"}).encode()])
+    for override, shown in [("job.columns.prompt=question", "job.columns.prompt='question'"),
+                            ("job.columns.id=qid", "job.columns.id='qid'"),
+                            ("job.columns.messages=null", "job.columns.messages=None")]:
+        job = load_config(overrides=[override]).job
+        with pytest.raises(ValueError, match=re.escape(f"{shown} applies to table inputs")):
+            open_input(rows, job, SamplingParams())
+    proc = subprocess.run([sys.executable, "launch.py", "model.path=/nonexistent", f"job.input={rows}",
+                           f"job.output={tmp_path / 'o.jsonl'}", "job.columns.prompt=question"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert proc.returncode == 2 and len(errors) == 1 and "job.columns.prompt='question'" in errors[0], proc.stderr
+    assert "nonexistent" not in proc.stderr and not (tmp_path / "o.jsonl").exists()
+    assert open_input(rows, load_config().job, SamplingParams()).format == "native"  # the defaults are fine
+
+
 def test_latency_is_from_claim_to_result(tiny_llama_dir, tmp_path):
     """With one running slot rows are claimed a few at a time: a row's latency is its wait in this
     replica's queue plus its own run, far below the job's wall time (not the time since the job began)."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runtime.config import JobColumnsSection
 from runtime.frontend.job_files import (
     PARQUET_SUFFIXES,
     InputError,
@@ -44,9 +45,14 @@ def open_input(path: Path, job: Any, defaults: SamplingParams) -> JobInput:
 
         kind = table_kind(path)
     if kind is None:
-        if job.columns.keep:
-            raise InputError(f"job.columns.keep={list(job.columns.keep)} applies to table inputs (Parquet, CSV, "
-                             f"Arrow, datasets); job.input={path} is JSONL")
+        # JSONL rows name their own keys (id, prompt | messages, sampling): a mapping set for them would be
+        # ignored, and rows served from keys other than the ones asked for.
+        for name, default in vars(JobColumnsSection()).items():
+            value = getattr(job.columns, name)
+            if value != default:
+                shown = list(value) if name == "keep" else value
+                raise InputError(f"job.columns.{name}={shown!r} applies to table inputs (Parquet, CSV, Arrow, "
+                                 f"datasets); job.input={path} is JSONL, whose rows are {{id, prompt | messages}}")
         fmt = jsonl_format(path, job.format)
         return JobInput(path, fmt, lambda: read_rows(path, defaults, job.chat_template, fmt))
     if job.format != "auto":
