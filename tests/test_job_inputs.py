@@ -196,6 +196,7 @@ def test_an_output_that_cannot_be_written_fails_before_the_model_loads(tmp_path)
     cases = {tmp_path: "'job.output'=.* is a folder; name a file in it",
              rows / "o.jsonl": "'job.output'=.*: its folder cannot be made",
              tmp_path / "o.csv": r"job.output=.*o.csv: results are written as JSONL or Parquet, not .csv",
+             f"{tmp_path / 'new'}/": "'job.output'=.*new/ names a folder; name a file in it",  # a Path drops the /
              tmp_path / ("x" * 300 + ".jsonl"): "'job.output'=.*: File name too long",
              (tmp_path / "o.jsonl", "job.format=openai"): r"rows.jsonl: its first row is a native row .* \(job.format"}
     for output, message in cases.items():
@@ -209,7 +210,7 @@ def test_an_output_that_cannot_be_written_fails_before_the_model_loads(tmp_path)
                                                              errors="", metrics=str(rows / "m.json")))
     with pytest.raises(ValueError, match="'job.metrics'=.*: its folder cannot be made"):
         metrics_in_a_file.check_writable()
-    assert rows.is_file()
+    assert rows.is_file() and not (tmp_path / "new").exists()
 
 
 def test_column_names_set_for_a_jsonl_input_are_refused_before_the_model_loads(tmp_path):

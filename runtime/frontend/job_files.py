@@ -59,6 +59,10 @@ class JobPaths:
 
     @classmethod
     def from_config(cls, job: Any) -> JobPaths:
+        for key in ("output", "errors", "metrics"):
+            value = getattr(job, key)
+            if value and value.endswith(("/", os.sep)):  # a Path drops the '/': out/ would become a file named out
+                raise ConfigError(f"config key 'job.{key}'={value} names a folder; name a file in it")
         out = Path(job.output)
         return cls(
             input=Path(job.input), output=out,
