@@ -78,6 +78,13 @@ def test_completion_body_maps_to_sampling_params():
     assert openai_api.parse_body(COMPLETIONS, {"prompt": [[1, 2]]}, DEFAULTS)[0] == [1, 2]  # a batch of one
 
 
+def test_chat_body_fields_that_change_no_answer_are_accepted():
+    messages = [{"role": "user", "content": "x"}]
+    plain = openai_api.parse_body(CHAT, {"messages": messages}, DEFAULTS)
+    assert openai_api.parse_body(CHAT, {"messages": messages, "store": True, "metadata": {"run": "7"}},
+                                 DEFAULTS) == plain
+
+
 @pytest.mark.parametrize(("url", "body", "message"), [
     (COMPLETIONS, {"prompt": "x", "echo": True}, "echo=True is not supported"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 0.5}, "frequency_penalty=0.5"),

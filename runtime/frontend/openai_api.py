@@ -22,7 +22,8 @@ MIN_LOGPROB = -9999.0  # OpenAI's "very unlikely"; keeps -inf out of the JSON
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "logprobs", "user",
            "top_k", "ignore_eos", "stop_token_ids"}
 _ALLOWED = {
-    CHAT: _COMMON | {"messages", "max_completion_tokens", "top_logprobs"},
+    # store and metadata keep a completion for OpenAI's dashboards: nothing in the answer changes
+    CHAT: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "store", "metadata"},
     COMPLETIONS: _COMMON | {"prompt", "echo", "best_of"},
 }
 # Accepted only at the value that changes nothing (clients send them filled in).
