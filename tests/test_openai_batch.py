@@ -38,11 +38,22 @@ CHAT_TOKEN_KEYS = {"token", "logprob", "bytes", "top_logprobs"}
 TOP_TOKEN_KEYS = {"token", "logprob", "bytes"}
 COMPLETION_CHOICE_KEYS = {"index", "text", "logprobs", "finish_reason"}
 COMPLETION_LOGPROBS_KEYS = {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
-ERROR_KEYS = {"code", "message"}
+ERROR_KEYS = {"code", "message"}  # a line that names no request: its own error
+API_ERROR_KEYS = {"message", "type", "param", "code"}  # a refused request: its 400 response's body.error
 
 
 def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+def _served(r: dict) -> bool:
+    """A line OpenAI's clients read as an answer: a 200 response and no error."""
+    return r["error"] is None and r["response"]["status_code"] == 200
+
+
+def _error(r: dict) -> dict:
+    """A failed line's error: its own, or its 400 response's, as OpenAI writes a request its endpoint refused."""
+    return r["error"] or r["response"]["body"]["error"]
 
 
 def _line(custom_id: str, url: str, **body: object) -> dict:
@@ -246,13 +257,21 @@ def test_a_batch_file_with_good_and_bad_lines(text_model, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = _read(out)
     assert all(set(r) == LINE_KEYS for r in results)
-    served = {r["custom_id"]: r for r in results if r["error"] is None}
-    failed = [r for r in results if r["error"] is not None]
+    served = {r["custom_id"]: r for r in results if _served(r)}
+    failed = [r for r in results if not _served(r)]
     assert sorted(served) == sorted(line["custom_id"] for line in GOOD)
-    assert sorted((r["custom_id"], r["error"]["code"]) for r in failed) == sorted(
+    assert sorted((r["custom_id"], _error(r)["code"]) for r in failed) == sorted(
         [(cid, code) for cid, (_, code) in BAD.items()] + [("chat", "duplicate_custom_id")])
     for r in failed:
-        assert r["response"] is None and set(r["error"]) == ERROR_KEYS and r["error"]["message"]
+        if r["error"] is not None:  # unreadable, no such endpoint or method, a repeated custom_id
+            assert r["response"] is None and set(r["error"]) == ERROR_KEYS and r["error"]["message"]
+            assert r["error"]["code"] in openai_api.LINE_ERRORS
+        else:  # refused as the endpoint refuses it
+            assert set(r["response"]) == RESPONSE_KEYS and r["response"]["status_code"] == 400
+            assert set(r["response"]["body"]) == {"error"} and set(_error(r)) == API_ERROR_KEYS and _error(r)["message"]
+            assert _error(r)["type"] == "invalid_request_error"
+    assert {r["custom_id"] for r in failed if r["error"] is None} == {"long", "wide", "wider", "echo"}
+    assert next(_error(r)["param"] for r in failed if r["custom_id"] == "echo") == "echo"
     assert len({r["id"] for r in results}) == len(results)
 
     for line in GOOD:
@@ -315,13 +334,33 @@ def test_a_rerun_retries_error_lines_and_keeps_one_line_per_custom_id(tiny_llama
 
     first = run(25)  # r3..r5 are too long
     assert (first["completed"], first["errors"]) == (2, 4)
-    assert sorted(r["custom_id"] or "" for r in _read(out) if r["error"]) == ["", "r3", "r4", "r5"]
+    assert sorted(r["custom_id"] or "" for r in _read(out) if not _served(r)) == ["", "r3", "r4", "r5"]
     second = run(128)
     assert (second["completed"], second["already_done"], second["errors"]) == (3, 2, 1)
     results = _read(out)
-    assert sorted(r["custom_id"] for r in results if r["error"] is None) == ["r1", "r2", "r3", "r4", "r5"]
-    assert [r["error"]["code"] for r in results if r["error"]] == ["invalid_json"]  # the old error lines went
+    assert sorted(r["custom_id"] for r in results if _served(r)) == ["r1", "r2", "r3", "r4", "r5"]
+    assert [_error(r)["code"] for r in results if not _served(r)] == ["invalid_json"]  # the old error lines went
     assert json.loads(out.with_suffix(".metrics.json").read_text())["input_format"] == "openai"
+
+
+def test_error_lines_of_either_shape_are_retried_and_served_lines_kept(tmp_path):
+    """A refused request is a 400 response; older outputs wrote it as an error with no response: a rerun retries
+    both, and keeps what was served."""
+    from runtime.frontend.job_files import served_custom_ids
+
+    old = {"id": "batch_req_1", "custom_id": "old", "response": None,
+           "error": {"code": "context_length_exceeded", "message": "too long"}}
+    refused = openai_api.error_line("new", '"new"', "context_length_exceeded", "too long", "messages")
+    unreadable = openai_api.error_line(None, "line:3", "invalid_json", "line 3 is not valid JSON")
+    served = openai_api.result_line("ok", '"ok"', {"choices": []})
+    assert refused["error"] is None and refused["response"]["status_code"] == 400
+    assert refused["response"]["body"] == {"error": {"message": "too long", "type": "invalid_request_error",
+                                                     "param": "messages", "code": "context_length_exceeded"}}
+    assert unreadable["response"] is None and unreadable["error"]["code"] == "invalid_json"
+    out = tmp_path / "out.jsonl"
+    out.write_text("".join(json.dumps(line) + "\n" for line in (old, refused, unreadable, served)))
+    assert served_custom_ids(out) == {'"ok"'}
+    assert drop_error_lines(out) == 3 and _read(out) == [served]
 
 
 def test_an_output_of_the_other_kind_is_refused_before_anything_is_rewritten(tiny_llama_dir, tmp_path):
@@ -360,7 +399,7 @@ def _served_ids(out: Path) -> set[str]:
     for f in [out, *out.parent.glob(out.name + ".part-*")]:
         if f.exists():
             for line in f.read_bytes().splitlines(keepends=True):
-                if line.endswith(b"\n") and json.loads(line)["error"] is None:
+                if line.endswith(b"\n") and _served(json.loads(line)):
                     ids.add(json.loads(line)["custom_id"])
     return ids
 
@@ -395,10 +434,10 @@ def test_kill_9_mid_batch_then_rerun_gives_one_line_per_custom_id(text_model, tm
                            timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     results = _read(out)
-    served = [r["custom_id"] for r in results if r["error"] is None]
+    served = [r["custom_id"] for r in results if _served(r)]
     assert sorted(served) == sorted(f"r{i}" for i in range(36))  # exactly one line per custom_id
-    assert sorted(r["custom_id"] for r in results if r["error"]) == ["bad", "torn"]  # each error once
-    texts = {r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in results if r["error"] is None}
+    assert sorted(r["custom_id"] for r in results if not _served(r)) == ["bad", "torn"]  # each error once
+    texts = {r["custom_id"]: r["response"]["body"]["choices"][0]["text"] for r in results if _served(r)}
     assert texts == {r["custom_id"]: r["response"]["body"]["choices"][0]["text"]
-                     for r in _read(reference) if r["error"] is None}
+                     for r in _read(reference) if _served(r)}
     assert not list(tmp_path.glob("out.jsonl.part-*"))

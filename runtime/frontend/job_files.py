@@ -40,6 +40,7 @@ class JobRow:
     sampling: SamplingParams | None = None
     error: str | None = None
     code: str | None = None
+    param: str | None = None  # the request parameter an OpenAI line's error is about
     request: openai_api.Request | None = None
     keep: dict[str, Any] | None = None
 
@@ -340,7 +341,7 @@ def _openai_row(obj: Any, line_no: int, defaults: SamplingParams, seen: set[str]
     try:
         prompt, sampling, request = openai_api.parse_line(obj, defaults)
     except openai_api.RequestError as exc:
-        return JobRow(line_no, custom_id, error=f"line {line_no}: {exc}", code=exc.code)
+        return JobRow(line_no, custom_id, error=f"line {line_no}: {exc}", code=exc.code, param=exc.param)
     return JobRow(line_no, custom_id, prompt=prompt, sampling=sampling, request=request)
 
 

@@ -401,9 +401,20 @@ def result_line(custom_id: str, key: str, body: dict[str, Any]) -> dict[str, Any
             "response": {"status_code": 200, "request_id": "req_" + _digest(key), "body": body}, "error": None}
 
 
-def error_line(custom_id: str | None, key: str, code: str, message: str) -> dict[str, Any]:
-    return {"id": "batch_req_" + _digest("error " + key), "custom_id": custom_id, "response": None,
-            "error": {"code": code, "message": message}}
+# Lines that name no request an endpoint could answer; OpenAI refuses such a file when it validates it, and a
+# result line says so in ``error``, its field for failures that are not HTTP responses.
+LINE_ERRORS = ("invalid_json", "invalid_url", "invalid_method", "duplicate_custom_id")
+
+
+def error_line(custom_id: str | None, key: str, code: str, message: str, param: str | None = None
+               ) -> dict[str, Any]:
+    """A request that failed: as OpenAI writes one the endpoint refused (a 400 response whose body is the error,
+    ``error`` null), or, for a line of LINE_ERRORS, no response and the error."""
+    line: dict[str, Any] = {"id": "batch_req_" + _digest("error " + key), "custom_id": custom_id}
+    if code in LINE_ERRORS:
+        return {**line, "response": None, "error": {"code": code, "message": message}}
+    return {**line, "response": {"status_code": 400, "request_id": "req_" + _digest("error " + key),
+                                 "body": error_body(message, code, param)}, "error": None}
 
 
 def engine_error_code(message: str) -> str:
@@ -417,8 +428,9 @@ def is_result_line(line: Any) -> bool:
 
 
 def is_served(line: dict[str, Any]) -> bool:
-    """A result line with a response (error lines are retried by the next run)."""
-    return is_result_line(line) and isinstance(line.get("response"), dict) and line.get("error") is None
+    """A result line with a 200 response (error lines, either shape, are retried by the next run)."""
+    response = line.get("response") if is_result_line(line) else None
+    return isinstance(response, dict) and response.get("status_code") == 200 and line.get("error") is None
 
 
 def _digest(key: str) -> str:
