@@ -174,20 +174,62 @@ def test_launch_job_mode_writes_one_row_per_input(default_model_dir, tmp_path):
     assert "page_size: 16" in out.with_suffix(".config.yaml").read_text()
 
 
-def test_a_shut_down_llm_is_freed_once_dropped(default_model_dir):
-    """The step loop's frozen GC must not pin an engine for good: sweeps load model after model in one process."""
+@pytest.mark.parametrize("shut_down", [True, False], ids=["shut-down", "dropped"])
+def test_a_dropped_llm_and_the_callers_data_are_freed_by_one_collection(default_model_dir, shut_down):
+    """The step loop freezes what is alive (the GC then leaves the model alone) only while it runs: an LLM dropped
+    with or without shutdown(), and the caller's objects alive when it ran, are collected afterwards (sweeps and
+    notebooks build model after model in one process)."""
     import gc
     import weakref
 
-    first = LLM(str(default_model_dir), overrides=["engine.device=cpu"])
+    class Data:
+        pass
+
+    data = Data()
+    data.itself = data  # a cycle: only the cyclic GC frees it
+    frozen_while_stepping = []
+    llm = LLM(str(default_model_dir), overrides=["engine.device=cpu"])
+    llm.run([(0, "Hello", SamplingParams(max_new_tokens=2))], on_batch=lambda _: frozen_while_stepping.append(
+        gc.get_freeze_count()))
+    assert min(frozen_while_stepping) > 0 and gc.get_freeze_count() == 0
     # A parameter and its layer form a cycle (the parameter's weight_loader is the layer's bound method).
-    engine, weights = weakref.ref(first.engine), weakref.ref(next(first.engine.model.parameters()))
-    first.shutdown()
-    del first
-    second = LLM(str(default_model_dir), overrides=["engine.device=cpu"])  # freezes what is alive, after a collect
+    engine, weights, kept = weakref.ref(llm.engine), weakref.ref(next(llm.engine.model.parameters())), weakref.ref(data)
+    if shut_down:
+        llm.shutdown()
+    del llm, data
     gc.collect()
-    assert engine() is None and weights() is None
-    second.shutdown()
+    assert engine() is None and weights() is None and kept() is None
+
+
+def test_runs_from_two_threads_take_turns(tiny_llama_dir):
+    import threading
+
+    llm = LLM(str(tiny_llama_dir), overrides=["engine.device=cpu", "model.dtype=float32", "model.max_seq_len=64"])
+    prompts = [[5, 6, 7 + i] for i in range(8)]
+    greedy = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    alone = [o.token_ids for o in llm.generate(prompts, greedy)]
+    outputs: list = [None, None]
+
+    def generate(i: int) -> None:
+        outputs[i] = [o.token_ids for o in llm.generate(prompts, greedy)]
+
+    threads = [threading.Thread(target=generate, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert outputs == [alone, alone]
+    llm.shutdown()
+
+
+def test_chat_reads_a_generator_and_a_model_path_may_be_a_path(default_model_dir):
+    llm = LLM(Path(default_model_dir), overrides=["engine.device=cpu"])
+    chats = [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Bye"}]]
+    greedy = SamplingParams(temperature=0, max_new_tokens=3)
+    assert [o.text for o in llm.chat((c for c in chats), greedy)] == [o.text for o in llm.chat(chats, greedy)]
+    with pytest.raises(TypeError, match="sampling_params must be SamplingParams.*not int"):
+        llm.generate("Hi", 5)
+    llm.shutdown()
 
 
 class _Interrupted(BaseException):

@@ -201,15 +201,16 @@ def test_cpu_threads_are_a_share_of_the_cores_unless_set():
 
 
 def test_no_nanobind_leak_report_at_exit():
-    """LLM freezes the objects alive after the model load (gc.freeze), Triton's bindings among them; frozen at
-    exit, nanobind reports each as leaked. The LLM's collector settings unfreeze them on the way out."""
+    """The step loop freezes the objects alive (gc.freeze), Triton's bindings among them; frozen at exit, nanobind
+    reports each as leaked. Leaving the step loop, even to exit, unfreezes them."""
     pytest.importorskip("triton")
     frozen = "import gc, triton; gc.freeze()"
     control = subprocess.run([sys.executable, "-c", frozen], cwd=REPO, env=_env(), capture_output=True, text=True,
                              timeout=120)
     if "nanobind" not in control.stderr:
         pytest.skip("this Triton build reports no leaks")
-    run = "import triton; from runtime.frontend.llm import quiet_garbage_collector; quiet_garbage_collector()"
+    run = ("import sys, triton\nfrom runtime.frontend.llm import quiet_garbage_collector\n"
+           "with quiet_garbage_collector():\n    sys.exit(0)")
     proc = subprocess.run([sys.executable, "-c", run], cwd=REPO, env=_env(), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and "nanobind" not in proc.stderr, proc.stderr[-3000:]

@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import gc
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -36,17 +37,20 @@ REFILL_SLACK = 4
 GC_YOUNG_THRESHOLD = 50_000
 
 
-def quiet_garbage_collector() -> None:
-    """Keep Python's cyclic GC off the step loop: finished requests pile up small containers that the
-    default thresholds rescan so often the host falls behind the GPU."""
-    gc.collect()  # engines shut down earlier (unfrozen then) are freed, not frozen for good
+@contextlib.contextmanager
+def quiet_garbage_collector() -> Iterator[None]:
+    """Keep Python's cyclic GC off the step loop: finished requests pile up small containers that the default
+    thresholds rescan so often the host falls behind the GPU, and each full pass would walk the model's objects.
+    What is alive on entry is frozen (never scanned) until the loop ends: frozen objects are never collected either,
+    so a dropped LLM, or the caller's data, must not stay frozen after it."""
+    thresholds = gc.get_threshold()
     gc.freeze()
-    # Frozen objects are never collected, so nanobind would report leaks at exit: unfreeze first.
-    atexit.unregister(gc.unfreeze)
-    atexit.register(gc.unfreeze)
-    young, *older = gc.get_threshold()
-    if young < GC_YOUNG_THRESHOLD:
-        gc.set_threshold(GC_YOUNG_THRESHOLD, *older)
+    gc.set_threshold(max(thresholds[0], GC_YOUNG_THRESHOLD), *thresholds[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
 
 
 def _kind(prompt: object) -> str:
@@ -57,15 +61,18 @@ def _kind(prompt: object) -> str:
 
 class LLM:
     def __init__(
-        self, model: str | None = None, *, config: RuntimeConfig | None = None, overrides: Sequence[str] = ()
+        self, model: str | os.PathLike[str] | None = None, *, config: RuntimeConfig | None = None,
+        overrides: Sequence[str] = (),
     ) -> None:
         # A copy: the caller's config is left as it was, and overrides apply on top of it too.
         cfg = load_config(overrides=overrides) if config is None else apply_overrides(config, overrides)
         if model is not None:
-            cfg.model.path = model
+            cfg.model.path = os.fspath(model)
         self.cfg = cfg
         self._closed = False
         self._keepalive_lock = threading.Lock()
+        self._generating = threading.Lock()  # one run at a time: the scheduler and engine have one owner
+        gc.collect()  # a dropped LLM's cycles go before this one captures CUDA graphs
         self.engine = Engine.from_config(cfg)
         if get_tp().size > 1:
             atexit.register(self.shutdown)  # workers wait for rank 0's STOP
@@ -87,7 +94,6 @@ class LLM:
             self.drain: Drain | None = None
             self.interrupted = False
             self._page_waits = 0
-            quiet_garbage_collector()
 
     def encode(self, prompt: Prompt) -> list[int]:
         # Token ids first: one pass over the element types in C (bools are not ids), then the range.
@@ -164,6 +170,9 @@ class LLM:
             sampling_params = self.default_sampling()
         if isinstance(sampling_params, (SamplingParams, dict)):
             sampling_params = [sampling_params] * len(prompts)
+        if not isinstance(sampling_params, Iterable) or isinstance(sampling_params, (str, bytes)):
+            raise TypeError(f"sampling_params must be SamplingParams, a dict of its fields, or a list of either, not "
+                            f"{type(sampling_params).__name__}")
         params = [SamplingParams.from_dict(p, self.default_sampling()) if isinstance(p, dict) else p
                   for p in sampling_params]
         if not all(isinstance(p, SamplingParams) for p in params):
@@ -179,10 +188,11 @@ class LLM:
         """Replies to one conversation or a list of them, through the model's chat template."""
         if isinstance(conversations, list) and conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
+        conversations = list(conversations)  # a generator is read once
         for conversation in conversations:
             if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
                 raise TypeError("chat takes a conversation (a list of {'role', 'content'} dicts) or a list of them")
-        return self.generate(list(conversations), sampling_params)
+        return self.generate(conversations, sampling_params)
 
     def run(
         self, items: Sequence[Item] | ItemSource, on_result=None, on_batch=None,  # noqa: ANN001
@@ -192,8 +202,16 @@ class LLM:
 
         ``items`` is a list, or a source ``source(n)`` returning up to ``n`` more items ([] for none now, None at
         the end), so DP replicas take rows as they have room. ``admit(key, request)`` may refuse a tokenized
-        request before it is queued by raising ValueError; its message is the item's error.
+        request before it is queued by raising ValueError; its message is the item's error. Runs called from
+        several threads take turns.
         """
+        with self._generating:
+            return self._run(items, on_result, on_batch, admit)
+
+    def _run(
+        self, items: Sequence[Item] | ItemSource, on_result: Callable[[Any, RequestOutput], None] | None,
+        on_batch: Callable[[Batch | None], None] | None, admit: Callable[[Any, Req], None] | None,
+    ) -> list[RequestOutput]:
         if self._closed:  # its workers have left and its CUDA graphs are freed
             raise RuntimeError("this LLM was shut down; create a new LLM to generate")
         results = Results(self._decode, on_result)
@@ -259,10 +277,11 @@ class LLM:
                 if on_batch is not None:
                     on_batch(batch)
 
-        return run_until_idle(
-            self.scheduler, self.engine, self.outputs, self.cfg.scheduler.overlap, on_finish, publish,
-            self.drain, self.cfg.job.drain_timeout_s, refill, on_tokens,
-        )
+        with quiet_garbage_collector():
+            return run_until_idle(
+                self.scheduler, self.engine, self.outputs, self.cfg.scheduler.overlap, on_finish, publish,
+                self.drain, self.cfg.job.drain_timeout_s, refill, on_tokens,
+            )
 
     def _queue(self, req: Req, position: int) -> None:
         req.index = position
@@ -333,4 +352,3 @@ class LLM:
                 send_batch(None, stop=True)
         finally:
             self.engine.close()
-            gc.unfreeze()  # frozen objects are never collected: without this a dropped LLM keeps its memory
