@@ -27,9 +27,10 @@ from collections.abc import MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from parallel.launcher import record_exit_code
 from runtime.config import ConfigError, RuntimeConfig, load_config, to_yaml
 from runtime.frontend import sweep
-from runtime.frontend.signals import exit_now, record_exit_code
+from runtime.frontend.signals import exit_now
 
 if TYPE_CHECKING:
     from runtime.frontend.llm import LLM

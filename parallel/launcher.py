@@ -8,8 +8,9 @@ import sys
 import tempfile
 
 EXIT_DRAINED = 143  # a rank that drained on a signal exits 128 + SIGTERM (runtime.frontend.signals)
-# runtime.frontend.signals.EXIT_CODE_DIR_ENV (parallel does not import runtime): the folder where each rank leaves its
-# exit code (record_exit_code) as a file named by its global rank.
+# A launcher that reports its ranks' own exit codes (this one, scripts/slurm/torchrun_cmd.py) names a folder here,
+# and each rank leaves its code there as a file named by its global rank: torchrun exits 1 after any signal,
+# whatever its ranks returned, so a drain that finished the last rows would otherwise read as a failure.
 EXIT_CODE_DIR_ENV = "TPINFER_EXIT_CODE_DIR"
 
 
@@ -28,8 +29,23 @@ def exit_code_of(rank_codes: dict[int, int], first_failed: int | None = None) ->
     return failed[first] if 0 < failed[first] < 256 else 1
 
 
+def record_exit_code(code: int) -> int:
+    """Leave this rank's exit code for its launcher when one asks (``EXIT_CODE_DIR_ENV`` and torchrun's ``RANK``
+    set); returns ``code``. A rank killed before this, or while writing, leaves no code."""
+    folder, rank = os.environ.get(EXIT_CODE_DIR_ENV), os.environ.get("RANK", "")
+    if folder and rank.isdigit():
+        path = os.path.join(folder, rank)
+        try:
+            with open(f"{path}.tmp", "w") as f:
+                f.write(f"{code}\n")
+            os.replace(f"{path}.tmp", path)  # whole or absent, never half a number
+        except OSError as exc:  # the launcher then reports torchrun's own code
+            print(f"rank {rank}: cannot leave its exit code in {folder}: {exc}", file=sys.stderr, flush=True)
+    return code
+
+
 def recorded_exit_codes(folder: str) -> dict[int, int]:
-    """``{global rank: exit code}`` of the ranks that left one in ``folder`` (as runtime.frontend.signals reads it)."""
+    """``{global rank: exit code}`` of the ranks that left one in ``folder`` (``record_exit_code``)."""
     codes = {}
     for name in os.listdir(folder):
         if name.isdigit():

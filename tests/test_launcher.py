@@ -42,7 +42,7 @@ def test_the_first_failure_gives_the_code_not_the_ranks_ended_after_it():
 
 RANK_SCRIPT = """\
 import os, signal, sys, time
-from runtime.frontend.signals import record_exit_code
+from parallel.launcher import record_exit_code
 code = os.environ["RANK_CODE"] if os.environ["RANK"] == "0" else "0"
 def stop(*_):  # as launch.py's ranks: drain, then leave the code ("none": a rank that leaves none)
     sys.exit(143 if code == "none" else record_exit_code(int(code)))
@@ -79,15 +79,13 @@ def test_after_a_signal_the_launcher_reports_the_ranks_own_code(tmp_path, rank_c
 
 def test_the_launcher_reads_the_folder_the_ranks_write(tmp_path, monkeypatch):
     from parallel import launcher
-    from runtime.frontend import signals
 
-    assert launcher.EXIT_CODE_DIR_ENV == signals.EXIT_CODE_DIR_ENV
-    monkeypatch.setenv(signals.EXIT_CODE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(launcher.EXIT_CODE_DIR_ENV, str(tmp_path))
     for rank, code in (("0", 143), ("3", 0)):
         monkeypatch.setenv("RANK", rank)
-        assert signals.record_exit_code(code) == code
+        assert launcher.record_exit_code(code) == code
     (tmp_path / "1.tmp").write_text("2")
-    assert launcher.recorded_exit_codes(str(tmp_path)) == signals.recorded_exit_codes(str(tmp_path)) == {0: 143, 3: 0}
+    assert launcher.recorded_exit_codes(str(tmp_path)) == {0: 143, 3: 0}
 
 
 def _env() -> dict[str, str]:

@@ -14,7 +14,7 @@ from types import ModuleType
 
 import pytest
 
-from runtime.frontend.signals import EXIT_CODE_DIR_ENV, recorded_exit_codes
+from parallel.launcher import EXIT_CODE_DIR_ENV, recorded_exit_codes
 
 REPO = Path(__file__).resolve().parents[1]
 SLURM_DIR = REPO / "scripts" / "slurm"
@@ -194,7 +194,7 @@ STUBS = {
     "torchrun": '#!/bin/bash\necho "torchrun $*" >> "$STUBS/log"\n'
                 'n=1; for a; do if [[ $a == --nproc-per-node=* ]]; then n=${a#*=}; fi; done\n'
                 'ranks_exit() { for ((r = 0; r < n; r++)); do c=$1; (( r > 0 )) && c=0; [[ $c == none ]] && continue\n'
-                '  RANK=$r "$PYTHON" -c "from runtime.frontend.signals import record_exit_code as r; r($c)"; done; }\n'
+                '  RANK=$r "$PYTHON" -c "from parallel.launcher import record_exit_code as r; r($c)"; done; }\n'
                 'sleep "${WORK_S:-30}" & SLEEP=$!\n'
                 'trap \'kill $SLEEP; echo drained >> "$STUBS/log"; ranks_exit "${RANK_CODE:-143}"; exit 1\' TERM\n'
                 'touch "$STUBS/started"\nwait $SLEEP\nranks_exit 0\nexit 0\n',

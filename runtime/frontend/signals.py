@@ -13,10 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 EXIT_PREEMPTED = 143
-# A launcher that reports its ranks' own exit codes (scripts/slurm/torchrun_cmd.py, parallel/launcher.py) names a
-# folder here, and each rank leaves its code there as a file named by its global rank: torchrun exits 1 after any
-# signal, whatever its ranks returned, so a drain that finished the last rows would otherwise read as a failure.
-EXIT_CODE_DIR_ENV = "TPINFER_EXIT_CODE_DIR"
 # Ctrl-C drains too; a second Ctrl-C interrupts at once.
 DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 log = logging.getLogger(__name__)
@@ -60,34 +56,6 @@ def ignore_drain_signals() -> None:
 def restore_default_signals() -> None:
     for sig in DRAIN_SIGNALS:
         signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
-
-
-def record_exit_code(code: int) -> int:
-    """Leave this rank's exit code for its launcher when one asks (``EXIT_CODE_DIR_ENV`` and torchrun's ``RANK``
-    set); returns ``code``. A rank killed before this, or while writing, leaves no code."""
-    folder, rank = os.environ.get(EXIT_CODE_DIR_ENV), os.environ.get("RANK", "")
-    if folder and rank.isdigit():
-        path = os.path.join(folder, rank)
-        try:
-            with open(f"{path}.tmp", "w") as f:
-                f.write(f"{code}\n")
-            os.replace(f"{path}.tmp", path)  # whole or absent, never half a number
-        except OSError as exc:  # the launcher then reports torchrun's own code
-            print(f"rank {rank}: cannot leave its exit code in {folder}: {exc}", file=sys.stderr, flush=True)
-    return code
-
-
-def recorded_exit_codes(folder: str) -> dict[int, int]:
-    """``{global rank: exit code}`` of the ranks that left one in ``folder`` (``record_exit_code``)."""
-    codes = {}
-    for name in os.listdir(folder):
-        if name.isdigit():
-            try:
-                with open(os.path.join(folder, name)) as f:
-                    codes[int(name)] = int(f.read())
-            except (OSError, ValueError):
-                continue
-    return codes
 
 
 def exit_now(code: int) -> None:

@@ -27,9 +27,9 @@ import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo: its light signals module
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo: parallel.launcher, which loads no torch
 
-from runtime.frontend.signals import EXIT_CODE_DIR_ENV, EXIT_PREEMPTED, recorded_exit_codes  # noqa: E402
+from parallel.launcher import EXIT_CODE_DIR_ENV, EXIT_DRAINED, recorded_exit_codes  # noqa: E402
 
 DEFAULT_PORT = 29500
 # The signals torchrun passes on to its ranks (its default --signals-to-handle). They reach this process too, since
@@ -240,7 +240,7 @@ def node_exit_code(torchrun_code: int, rank_codes: Mapping[int, int], nproc: int
     failed = {code for code in rank_codes.values() if code != 0}
     if not failed:
         return 0
-    return EXIT_PREEMPTED if failed == {EXIT_PREEMPTED} else torchrun_code
+    return EXIT_DRAINED if failed == {EXIT_DRAINED} else torchrun_code
 
 
 def run(cmd: list[str], nproc: int, node: str = "torchrun_cmd") -> int:
