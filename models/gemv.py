@@ -86,11 +86,13 @@ if triton is not None:
     @triton.jit
     def _finish_rows(
         acc, acc_up, sq, n, n_ok, scale_ptr, bias_ptr, out_ptr, eps, N: tl.constexpr, K: tl.constexpr,
-        NORM: tl.constexpr, SILU: tl.constexpr, ADD: tl.constexpr, HAS_BIAS: tl.constexpr, X_SCALE: tl.constexpr,
+        NORM: tl.constexpr, SILU: tl.constexpr, ADD: tl.constexpr, HAS_BIAS: tl.constexpr,
+        PRODUCT_SCALE: tl.constexpr,
     ):
-        """Row products to outputs: the row sums (``acc_up``: the up rows, with SILU), rstd from the squares
-        ``sq``, FP8 scales, bias, SiLU x up, the residual add, the store. Each sum is reduced only where used."""
-        y = tl.sum(acc, axis=1) / X_SCALE
+        """Row products to outputs: the row sums (``acc_up``: the up rows, with SILU; each product carries
+        ``PRODUCT_SCALE``), rstd from the squares ``sq``, FP8 scales, bias, SiLU x up, the residual add, the store.
+        Each sum is reduced only where used."""
+        y = tl.sum(acc, axis=1) / PRODUCT_SCALE
         if NORM:
             rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
             y = y * rstd
@@ -98,7 +100,7 @@ if triton is not None:
         if HAS_BIAS:
             y += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
         if SILU:
-            u = tl.sum(acc_up, axis=1) / X_SCALE
+            u = tl.sum(acc_up, axis=1) / PRODUCT_SCALE
             if NORM:
                 u = u * rstd
             u *= tl.load(scale_ptr + N + n, mask=n_ok, other=0.0)
@@ -159,10 +161,57 @@ if triton is not None:
             "=f,r,r,r", [w, x01, x23], dtype=tl.float32, is_pure=True, pack=1)
 
     @triton.jit
+    def _dot4_e4m3_bits(w, x02, x13, INTERPRET: tl.constexpr):
+        """``_dot4_e4m3`` with no conversion instruction for the weights: integer ops move each e4m3's sign to bit
+        15 of an f16 and its exponent and mantissa to bits 7-13, which reads as the e4m3 value times 2^-8
+        (subnormals included). Hopper issues those ops at several times its conversion rate. The pairs are bytes
+        0 and 2, then 1 and 3, so x comes packed the same way (``x02``, ``x13``)."""
+        if INTERPRET:  # the same bit moves by integer ops, the products rounded to f16 where the PTX rounds
+            wu = w.to(tl.uint32, bitcast=True)
+            even = ((wu << 8) & 0x80008000) | ((wu << 7) & 0x3F803F80)
+            odd = (wu & 0x80008000) | ((wu >> 1) & 0x3F803F80)
+            a = x02.to(tl.uint32, bitcast=True)
+            b = x13.to(tl.uint32, bitcast=True)
+            low = (_f16_half(even, 0) * _f16_half(a, 0)).to(tl.float16).to(tl.float32)
+            high = (_f16_half(even, 1) * _f16_half(a, 1)).to(tl.float16).to(tl.float32)
+            low = (_f16_half(odd, 0) * _f16_half(b, 0) + low).to(tl.float16).to(tl.float32)
+            high = (_f16_half(odd, 1) * _f16_half(b, 1) + high).to(tl.float16).to(tl.float32)
+            return low + high
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t, e, o, p;
+            .reg .b16 s0, s1;
+            .reg .f32 f0, f1;
+            shl.b32 t, $1, 8;
+            and.b32 t, t, 0x80008000;
+            shl.b32 e, $1, 7;
+            and.b32 e, e, 0x3F803F80;
+            or.b32 e, e, t;
+            shr.b32 o, $1, 1;
+            and.b32 o, o, 0x3F803F80;
+            and.b32 t, $1, 0x80008000;
+            or.b32 o, o, t;
+            mul.rn.f16x2 p, e, $2;
+            fma.rn.f16x2 p, o, $3, p;
+            mov.b32 {s0, s1}, p;
+            cvt.f32.f16 f0, s0;
+            cvt.f32.f16 f1, s1;
+            add.f32 $0, f0, f1;
+            }""",
+            "=f,r,r,r", [w, x02, x13], dtype=tl.float32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _dot4(w, xa, xb, BITS: tl.constexpr, INTERPRET: tl.constexpr):
+        if BITS:
+            return _dot4_e4m3_bits(w, xa, xb, INTERPRET)
+        return _dot4_e4m3(w, xa, xb, INTERPRET)
+
+    @triton.jit
     def _x_quads(x_ptr, norm_ptr, q, KQ: tl.constexpr, NORM: tl.constexpr, X_SCALE: tl.constexpr,
-                 INTERPRET: tl.constexpr):
-        """x[4q .. 4q+3] (times the norm weight) scaled by X_SCALE and packed as two f16 pairs, and with NORM the
-        sum of their squares. Each quad is one vector load, split in registers."""
+                 BITS: tl.constexpr, INTERPRET: tl.constexpr):
+        """x[4q .. 4q+3] (times the norm weight) scaled by X_SCALE and packed as two f16 pairs (x0 x1, x2 x3; with
+        BITS x0 x2, x1 x3), and with NORM the sum of their squares. Each quad is one vector load, split in
+        registers."""
         ok = (q < KQ)[:, None]
         at = 4 * q[:, None] + tl.arange(0, 4)[None, :]
         x = tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32)
@@ -173,15 +222,19 @@ if triton is not None:
         even, odd = tl.split(tl.reshape(x * X_SCALE, (x.shape[0], 2, 2)))  # [q, i]: x[4q + 2i], x[4q + 2i + 1]
         x0, x2 = tl.split(even)
         x1, x3 = tl.split(odd)
+        if BITS:
+            return _pack_f16x2(x0, x2, INTERPRET), _pack_f16x2(x1, x3, INTERPRET), sq
         return _pack_f16x2(x0, x1, INTERPRET), _pack_f16x2(x2, x3, INTERPRET), sq
 
     @triton.jit
     def _row_gemv_e4m3(
         x_ptr, w_ptr, scale_ptr, bias_ptr, norm_ptr, out_ptr, eps, N: tl.constexpr, K: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr, ADD: tl.constexpr,
-        HAS_BIAS: tl.constexpr, PDL: tl.constexpr, X_SCALE: tl.constexpr, INTERPRET: tl.constexpr,
+        HAS_BIAS: tl.constexpr, PDL: tl.constexpr, X_SCALE: tl.constexpr, PRODUCT_SCALE: tl.constexpr,
+        BITS: tl.constexpr, INTERPRET: tl.constexpr,
     ):
-        """``_row_gemv`` for e4m3 weights read as int32 (``w_ptr``: four weights each, K % 4 == 0)."""
+        """``_row_gemv`` for e4m3 weights read as int32 (``w_ptr``: four weights each, K % 4 == 0); BITS: widened
+        by ``_dot4_e4m3_bits``, else ``_dot4_e4m3``."""
         KQ: tl.constexpr = K // 4
         BQ: tl.constexpr = BLOCK_K // 4
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -197,22 +250,22 @@ if triton is not None:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        x01, x23, sq = _x_quads(x_ptr, norm_ptr, q, KQ, NORM, X_SCALE, INTERPRET)
-        acc = _dot4_e4m3(w, x01[None, :], x23[None, :], INTERPRET)
-        acc_up = _dot4_e4m3(up, x01[None, :], x23[None, :], INTERPRET) if SILU else acc
+        xa, xb, sq = _x_quads(x_ptr, norm_ptr, q, KQ, NORM, X_SCALE, BITS, INTERPRET)
+        acc = _dot4(w, xa[None, :], xb[None, :], BITS, INTERPRET)
+        acc_up = _dot4(up, xa[None, :], xb[None, :], BITS, INTERPRET) if SILU else acc
         for q0 in range(BQ, KQ, BQ):
             qk = q0 + q
-            x01, x23, part = _x_quads(x_ptr, norm_ptr, qk, KQ, NORM, X_SCALE, INTERPRET)
+            xa, xb, part = _x_quads(x_ptr, norm_ptr, qk, KQ, NORM, X_SCALE, BITS, INTERPRET)
             if NORM:
                 sq += part
             w_ok = n_ok[:, None] & (qk < KQ)[None, :]
             w = tl.load(w_rows + qk[None, :], mask=w_ok, other=0, eviction_policy="evict_first")
-            acc += _dot4_e4m3(w, x01[None, :], x23[None, :], INTERPRET)
+            acc += _dot4(w, xa[None, :], xb[None, :], BITS, INTERPRET)
             if SILU:
                 up = tl.load(w_rows + N * KQ + qk[None, :], mask=w_ok, other=0, eviction_policy="evict_first")
-                acc_up += _dot4_e4m3(up, x01[None, :], x23[None, :], INTERPRET)
+                acc_up += _dot4(up, xa[None, :], xb[None, :], BITS, INTERPRET)
         _finish_rows(acc, acc_up, sq, n, n_ok, scale_ptr, bias_ptr, out_ptr, eps, N, K, NORM, SILU, ADD, HAS_BIAS,
-                     X_SCALE)
+                     PRODUCT_SCALE)
 
 
 def supported(device: torch.device) -> bool:
@@ -227,9 +280,13 @@ def use_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-# x enters f16 scaled by 2^-8: a half sums two products, finite while |x * norm weight| < 65504 * 256 / 448 / 2,
-# about 18,700 (a bf16 residual that large is already broken); values below ~2^-16 lose bits, not the sum.
+# Products enter f16 scaled by 2^-8 (x scaled, or with E4M3_BY_BITS the widened weights): a half sums two,
+# finite while |x * norm weight| < 65504 * 256 / 448 / 2, about 18,700 (a bf16 residual that large is already
+# broken); x scaled in f16 loses bits below 2^-6, the products below ~2^-16, not the sum.
 E4M3_X_SCALE = 1.0 / 256
+# Widen e4m3 to f16 by integer ops (``_dot4_e4m3_bits``) instead of conversion instructions: the same products
+# wherever |x| >= 2^-6. Off until it measures faster on the GPU (scripts/bench_gemv.py --fp8 --widening both).
+E4M3_BY_BITS = False
 
 
 # Swept shapes whose best tile beats ``tile``'s rule in the engine (scripts/bench_gemv.py --sweep).
@@ -273,7 +330,8 @@ def _launch(
         _row_gemv_e4m3[(triton.cdiv(n, block_n),)](
             x, weight.view(torch.int32), scale, bias if bias is not None else scale,
             norm if norm is not None else scale, out, eps, N=n, K=k, BLOCK_N=block_n, BLOCK_K=block_k,
-            NORM=norm is not None, SILU=silu, ADD=add, HAS_BIAS=bias is not None, PDL=pdl, X_SCALE=E4M3_X_SCALE,
+            NORM=norm is not None, SILU=silu, ADD=add, HAS_BIAS=bias is not None, PDL=pdl,
+            X_SCALE=1.0 if E4M3_BY_BITS else E4M3_X_SCALE, PRODUCT_SCALE=E4M3_X_SCALE, BITS=E4M3_BY_BITS,
             INTERPRET=INTERPRET, launch_pdl=pdl, num_warps=warps, num_stages=stages,
         )
         return

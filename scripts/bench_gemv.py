@@ -1,9 +1,10 @@
 """Micro-benchmark: a decoder layer's weight passes for one token, unfused against fused, in CUDA graphs.
 
-    python scripts/bench_gemv.py [--shapes 1B,8B,SmolLM2] [--sweep] [--fp8]
+    python scripts/bench_gemv.py [--shapes 1B,8B,SmolLM2] [--sweep] [--fp8 [--widening cvt|bits|both]]
 
 The stack is deep enough that L2 never serves the weights; ``--sweep`` varies one kernel's tile at a time;
-``--fp8`` times e4m3 weights with a scale per row (the fused kernels only).
+``--fp8`` times e4m3 weights with a scale per row (the fused kernels only), widened to f16 by conversion
+instructions (cvt) or integer ops (bits: ``models.gemv.E4M3_BY_BITS``); ``both`` alternates them three times.
 """
 
 from __future__ import annotations
@@ -199,7 +200,13 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=12, help="processes compiling the swept tiles")
     parser.add_argument("--sweep-json", default=None, help="write every swept tile's time here")
     parser.add_argument("--fp8", action="store_true", help="e4m3 weights, fused kernels only")
+    parser.add_argument("--widening", choices=["cvt", "bits", "both"], default=None,
+                        help="with --fp8: how e4m3 becomes f16 (default: the engine's); both: alternated")
     args = parser.parse_args()
+    if args.widening == "both" and args.sweep:
+        parser.error("--sweep takes one --widening")
+    if args.widening in ("cvt", "bits"):
+        gemv.E4M3_BY_BITS = args.widening == "bits"
     record: dict[str, dict] = {}
     for shape in args.shapes.split(","):
         hidden, qkv, inter = SHAPES[shape]
@@ -210,9 +217,12 @@ def main() -> None:
         if args.sweep:
             sweep(layers, hidden, qkv, inter, args.workers, record.setdefault(shape, {}), args.fp8)
         if args.fp8:
-            fused = replay_us(fused_stack(layers, h, attn)) / len(layers)
-            print(f"{shape:8}: fused FP8 {fused:7.2f} us/layer {layer_kb / fused:5.0f} GB/s  [{len(layers)} layers]",
-                  flush=True)
+            widenings = [False, True] * 3 if args.widening == "both" else [gemv.E4M3_BY_BITS]
+            for by_bits in widenings:
+                gemv.E4M3_BY_BITS = by_bits
+                fused = replay_us(fused_stack(layers, h, attn)) / len(layers)
+                print(f"{shape:8}: fused FP8 ({'bits' if by_bits else 'cvt'}) {fused:7.2f} us/layer "
+                      f"{layer_kb / fused:5.0f} GB/s  [{len(layers)} layers]", flush=True)
             del layers
             continue
         unfused = replay_us(unfused_stack(layers, h, attn)) / len(layers)
