@@ -60,6 +60,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.serve = bool(args.overrides) and args.overrides[0] == "serve"
     if args.serve:
         args.overrides = args.overrides[1:]
+    if "serve" in args.overrides:
+        parser.error("'serve' comes first, before the key=value overrides: python launch.py serve key=value ...")
     return args
 
 

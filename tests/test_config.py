@@ -376,6 +376,13 @@ def test_launch_unknown_key_fails_naming_it():
     assert "###" not in proc.stdout and "tokens/s" not in proc.stdout  # nothing was generated
 
 
+def test_launch_serve_after_the_overrides_is_named():
+    proc = run_launch("server.port=0", "serve")
+    assert proc.returncode == 2
+    assert "'serve' comes first" in proc.stderr, proc.stderr
+    assert "not of the form key=value" not in proc.stderr
+
+
 def test_launch_fast_paths_import_no_model_code():
     """Run launch.main in a fresh interpreter and check the model / engine modules were never imported."""
     code = textwrap.dedent("""
