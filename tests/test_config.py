@@ -383,6 +383,14 @@ def test_launch_serve_after_the_overrides_is_named():
     assert "not of the form key=value" not in proc.stderr
 
 
+def test_launch_a_value_list_without_sweep_points_to_sweep():
+    proc = run_launch("sampling.temperature=0,0.7")
+    assert proc.returncode == 2
+    assert "sampling.temperature" in proc.stderr and "--sweep sampling.temperature=0,0.7" in proc.stderr, proc.stderr
+    proc = run_launch("--print-config", "sampling.temperature=hot")
+    assert proc.returncode == 2 and "--sweep" not in proc.stderr, proc.stderr
+
+
 def test_launch_fast_paths_import_no_model_code():
     """Run launch.main in a fresh interpreter and check the model / engine modules were never imported."""
     code = textwrap.dedent("""
