@@ -195,6 +195,11 @@ def _explain(exc: OmegaConfBaseException, schema: DictConfig, source: str) -> Co
     key = getattr(exc, "full_key", None) or ""
     msg = (getattr(exc, "msg", None) or str(exc)).splitlines()[0]  # omegaconf appends full_key/object_type lines
     if "not in struct" in str(exc) or "Key '" in msg and "not in" in msg:
+        if key in _all_keys(schema):  # a known key, unknown here: YAML read its dotted name as one key
+            *sections, leaf = key.split(".")
+            nested = "".join(f"{s}: {{" for s in sections) + f"{leaf}: VALUE" + "}" * len(sections)
+            return ConfigError(f"{source}: unknown config key '{key}': in YAML a dotted name is one key, so nest its "
+                               f"parts ({nested}), or give {key}=VALUE on the command line")
         near = difflib.get_close_matches(key, _all_keys(schema), n=1, cutoff=0.6)
         hint = f"; did you mean '{near[0]}'?" if near else ""
         return ConfigError(f"{source}: unknown config key '{key}'{hint}")

@@ -109,6 +109,19 @@ def test_unknown_section_in_yaml(tmp_path):
     assert "'cache'" in str(err.value)
 
 
+@pytest.mark.parametrize("text,key,nested", [
+    ("sampling.temperature: 0.7\n", "sampling.temperature", "sampling: {temperature: VALUE}"),
+    ("job:\n  columns.prompt: question\n", "job.columns.prompt", "job: {columns: {prompt: VALUE}}"),
+])
+def test_a_dotted_key_in_yaml_says_to_nest_it(tmp_path, text, key, nested):
+    path = write(tmp_path, "dotted.yaml", text)
+    with pytest.raises(ConfigError) as err:
+        load_config([path])
+    msg = str(err.value)
+    assert f"'{key}'" in msg and nested in msg, msg
+    assert "did you mean" not in msg
+
+
 def test_unknown_key_in_override_names_it_and_suggests():
     with pytest.raises(ConfigError) as err:
         load_config([], ["cache.page_sise=1"])
