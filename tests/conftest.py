@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run with `pytest -m gpu` on the device)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu tests` on a machine with one)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

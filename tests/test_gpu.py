@@ -1,4 +1,4 @@
-"""GPU numerics and fast-path checks (run on the device with `pytest -m gpu`).
+"""GPU numerics and fast-path checks (run on a GPU with `pytest -m gpu`).
 
 Random weights in real model shapes: the reference is HF transformers in
 float32 on the same weights. bf16 kernels cannot be bitwise equal to it, so

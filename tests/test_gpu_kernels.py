@@ -1,4 +1,4 @@
-"""The fused RoPE + KV-cache write kernel against the torch reference (run on the device with `pytest -m gpu`)."""
+"""The fused RoPE + KV-cache write kernel against the torch reference (run on a GPU with `pytest -m gpu`)."""
 
 from __future__ import annotations
 
