@@ -295,21 +295,23 @@ class _Sweeper:
         todo = self.todo = self.agree_on_todo(only)
         self.last_run = todo[-1] if todo else None
         stopped = False
+        # The results are written under the drain handlers: a rank that leaves first with exit code 1 (a failed
+        # run) makes torchrun SIGTERM the others, and that must not cut the table short.
         try:
             for g, group in enumerate(self.groups(todo)):
                 tp = self.join(group[0].cfg)  # a rank may lead in one TP layout and follow in another
                 stopped = self.lead(group, drain, g) if tp.rank == 0 else self.follow(group, g)
                 if stopped:
                     break
-        except SweepStopped as exc:  # still under the drain handlers: torchrun's SIGTERM must not cut this short
+            if self.writer:
+                self.finish(only, stopped)
+        except SweepStopped as exc:
             if self.writer:
                 self.finish(only, stopped=False)
             print(f"rank {self.rank}: {exc}", file=sys.stderr, flush=True)
             raise
         finally:
             restore_default_signals()
-        if self.writer:
-            self.finish(only, stopped)
         if stopped:
             return EXIT_PREEMPTED
         return 1 if self.stats.failed else 0
