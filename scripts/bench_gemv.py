@@ -128,8 +128,10 @@ def patched_tile(overrides: dict[KernelKey, Tile]) -> Callable[[int, int, bool, 
     return tile
 
 
-def _precompile(shape: tuple[int, int, int], work: list[tuple[str, Tile]], fp8: bool) -> None:
-    """Worker: run each (kernel, tile) once so that Triton's on-disk cache holds it for the parent."""
+def _precompile(shape: tuple[int, int, int], work: list[tuple[str, Tile]], fp8: bool, by_bits: bool) -> None:
+    """Worker: run each (kernel, tile) once so that Triton's on-disk cache holds it for the parent. A spawned
+    worker imports models.gemv afresh, so it is told the parent's widening (``by_bits``)."""
+    gemv.E4M3_BY_BITS = by_bits
     hidden, qkv, inter = shape
     keys = kernel_keys(hidden, qkv, inter)
     layer = make_layers(hidden, qkv, inter, count=1, fp8=fp8)[0]
@@ -162,7 +164,8 @@ def sweep(layers: list[dict], hidden: int, qkv: int, inter: int, workers: int,
     work = [(name, t) for name, key in keys.items() for t in candidate_tiles(*key)]
     started = time.perf_counter()
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        pool.starmap(_precompile, [((hidden, qkv, inter), work[i::workers], fp8) for i in range(workers)])
+        pool.starmap(_precompile, [((hidden, qkv, inter), work[i::workers], fp8, gemv.E4M3_BY_BITS)
+                                   for i in range(workers)])
     print(f"  compiled {len(work)} tiles in {time.perf_counter() - started:.0f} s", flush=True)
     h = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
     attn = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
