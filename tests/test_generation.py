@@ -174,6 +174,22 @@ def test_launch_job_mode_writes_one_row_per_input(default_model_dir, tmp_path):
     assert "page_size: 16" in out.with_suffix(".config.yaml").read_text()
 
 
+def test_overlapping_step_loops_keep_the_gc_quiet_until_the_last_one_ends():
+    """Two LLMs stepping on two threads: the first loop to end must not bring the GC back under the other."""
+    import gc
+
+    from runtime.frontend.llm import GC_YOUNG_THRESHOLD, quiet_garbage_collector
+
+    before = gc.get_threshold()
+    first, second = quiet_garbage_collector(), quiet_garbage_collector()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert gc.get_freeze_count() > 0 and gc.get_threshold()[0] >= GC_YOUNG_THRESHOLD
+    second.__exit__(None, None, None)
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == before
+
+
 @pytest.mark.parametrize("shut_down", [True, False], ids=["shut-down", "dropped"])
 def test_a_dropped_llm_and_the_callers_data_are_freed_by_one_collection(default_model_dir, shut_down):
     """The step loop freezes what is alive (the GC then leaves the model alone) only while it runs: an LLM dropped

@@ -35,6 +35,8 @@ REFILL_SLACK = 4
 
 
 GC_YOUNG_THRESHOLD = 50_000
+_gc_lock = threading.Lock()
+_gc_quiet: dict[str, Any] = {"loops": 0, "thresholds": None}  # step loops running in this process
 
 
 @contextlib.contextmanager
@@ -42,15 +44,22 @@ def quiet_garbage_collector() -> Iterator[None]:
     """Keep Python's cyclic GC off the step loop: finished requests pile up small containers that the default
     thresholds rescan so often the host falls behind the GPU, and each full pass would walk the model's objects.
     What is alive on entry is frozen (never scanned) until the loop ends: frozen objects are never collected either,
-    so a dropped LLM, or the caller's data, must not stay frozen after it."""
-    thresholds = gc.get_threshold()
-    gc.freeze()
-    gc.set_threshold(max(thresholds[0], GC_YOUNG_THRESHOLD), *thresholds[1:])
+    so a dropped LLM, or the caller's data, must not stay frozen after it. Step loops of several LLMs on several
+    threads share one quiet period: the GC comes back when the last of them ends."""
+    with _gc_lock:
+        if _gc_quiet["loops"] == 0:
+            _gc_quiet["thresholds"] = thresholds = gc.get_threshold()
+            gc.freeze()
+            gc.set_threshold(max(thresholds[0], GC_YOUNG_THRESHOLD), *thresholds[1:])
+        _gc_quiet["loops"] += 1
     try:
         yield
     finally:
-        gc.set_threshold(*thresholds)
-        gc.unfreeze()
+        with _gc_lock:
+            _gc_quiet["loops"] -= 1
+            if _gc_quiet["loops"] == 0:
+                gc.set_threshold(*_gc_quiet["thresholds"])
+                gc.unfreeze()
 
 
 def _kind(prompt: object) -> str:
