@@ -130,19 +130,27 @@ if triton is not None:
         return ((x >> (16 * i)) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
+    def _f16x2_dot_emulated(mul_lo, mul_hi, fma_lo, fma_hi, xa, xb):
+        """What ``mul.rn.f16x2 p, m, xa; fma.rn.f16x2 p, f, xb, p`` and the halves' float32 sum give, for the
+        weights' f16 lanes given as float32 values (m = mul_lo | mul_hi, f = fma_lo | fma_hi) and x as int32 f16
+        pairs: each product and sum rounded to f16 where the PTX rounds (an FMA's once)."""
+        a = xa.to(tl.uint32, bitcast=True)
+        b = xb.to(tl.uint32, bitcast=True)
+        low = (mul_lo * _f16_half(a, 0)).to(tl.float16).to(tl.float32)
+        high = (mul_hi * _f16_half(a, 1)).to(tl.float16).to(tl.float32)
+        low = (fma_lo * _f16_half(b, 0) + low).to(tl.float16).to(tl.float32)
+        high = (fma_hi * _f16_half(b, 1) + high).to(tl.float16).to(tl.float32)
+        return low + high
+
+    @triton.jit
     def _dot4_e4m3(w, x01, x23, INTERPRET: tl.constexpr):
         """The four e4m3 weights of int32 ``w`` times x packed in f16 pairs: products in f16x2 (two summed per half),
         the halves added in float32. One conversion and two half-precision ops per pair of weights, where
         converting each weight to float32 costs two conversions and two FMAs."""
-        if INTERPRET:  # the same sums by integer ops, rounded to f16 where the PTX rounds (an FMA's once)
+        if INTERPRET:  # the interpreter runs no PTX: the same sums by integer ops
             wu = w.to(tl.uint32, bitcast=True)
-            a = x01.to(tl.uint32, bitcast=True)
-            b = x23.to(tl.uint32, bitcast=True)
-            low = (_e4m3_byte(wu, 0) * _f16_half(a, 0)).to(tl.float16).to(tl.float32)
-            high = (_e4m3_byte(wu, 1) * _f16_half(a, 1)).to(tl.float16).to(tl.float32)
-            low = (_e4m3_byte(wu, 2) * _f16_half(b, 0) + low).to(tl.float16).to(tl.float32)
-            high = (_e4m3_byte(wu, 3) * _f16_half(b, 1) + high).to(tl.float16).to(tl.float32)
-            return low + high
+            return _f16x2_dot_emulated(_e4m3_byte(wu, 0), _e4m3_byte(wu, 1), _e4m3_byte(wu, 2), _e4m3_byte(wu, 3),
+                                       x01, x23)
         return tl.inline_asm_elementwise(
             """{
             .reg .b16 w01, w23, s0, s1;
@@ -166,17 +174,12 @@ if triton is not None:
         15 of an f16 and its exponent and mantissa to bits 7-13, which reads as the e4m3 value times 2^-8
         (subnormals included). Hopper issues those ops at several times its conversion rate. The pairs are bytes
         0 and 2, then 1 and 3, so x comes packed the same way (``x02``, ``x13``)."""
-        if INTERPRET:  # the same bit moves by integer ops, the products rounded to f16 where the PTX rounds
+        if INTERPRET:  # the same bit moves by integer ops
             wu = w.to(tl.uint32, bitcast=True)
             even = ((wu << 8) & 0x80008000) | ((wu << 7) & 0x3F803F80)
             odd = (wu & 0x80008000) | ((wu >> 1) & 0x3F803F80)
-            a = x02.to(tl.uint32, bitcast=True)
-            b = x13.to(tl.uint32, bitcast=True)
-            low = (_f16_half(even, 0) * _f16_half(a, 0)).to(tl.float16).to(tl.float32)
-            high = (_f16_half(even, 1) * _f16_half(a, 1)).to(tl.float16).to(tl.float32)
-            low = (_f16_half(odd, 0) * _f16_half(b, 0) + low).to(tl.float16).to(tl.float32)
-            high = (_f16_half(odd, 1) * _f16_half(b, 1) + high).to(tl.float16).to(tl.float32)
-            return low + high
+            return _f16x2_dot_emulated(_f16_half(even, 0), _f16_half(even, 1), _f16_half(odd, 0), _f16_half(odd, 1),
+                                       x02, x13)
         return tl.inline_asm_elementwise(
             """{
             .reg .b32 t, e, o, p;
