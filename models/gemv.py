@@ -288,7 +288,8 @@ def use_pdl(device_index: int) -> bool:
 # broken); x scaled in f16 loses bits below 2^-6, the products below ~2^-16, not the sum.
 E4M3_X_SCALE = 1.0 / 256
 # Widen e4m3 to f16 by integer ops (``_dot4_e4m3_bits``) instead of conversion instructions: the same products
-# wherever |x| >= 2^-6. Off until it measures faster on the GPU (scripts/bench_gemv.py --fp8 --widening both).
+# wherever |x| >= 2^-6. Off: 2% slower on an H100's one-request step, where the layers are DRAM-bound; for the
+# H200, whose FP8 layers are bound by conversions, measure it (scripts/bench_gemv.py --fp8 --widening both).
 E4M3_BY_BITS = False
 
 
