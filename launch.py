@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config or [DEFAULT_CONFIG], args.overrides)
     except ConfigError as exc:
-        print(f"error: {exc}{sweep_hint(args.overrides, str(exc))}", file=sys.stderr)
+        print(f"error: {exc}{sweep_hint(exc)}", file=sys.stderr)
         return 2
     if args.print_config:
         print(to_yaml(cfg), end="")
@@ -265,16 +265,14 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def sweep_hint(overrides: list[str], message: str) -> str:
+def sweep_hint(exc: ConfigError) -> str:
     """An override the config refuses whose value is a list of values (``key=a,b``) was likely meant as a sweep
     axis: say how to run one."""
     from runtime.frontend.sweep_plan import split_top_level
 
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if sep and key and f"override {item!r}" in message and len(split_top_level(text)) > 1:
-            return f" (for one run per value, sweep it: python launch.py --sweep {item} ...)"
-    return ""
+    if exc.override is None or len(split_top_level(exc.override.partition("=")[2])) < 2:
+        return ""
+    return f" (for one run per value, sweep it: python launch.py --sweep {exc.override} ...)"
 
 
 def replicas(cfg: RuntimeConfig, world_size: int) -> int:

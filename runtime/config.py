@@ -158,7 +158,10 @@ class RuntimeConfig:
 
 
 class ConfigError(ValueError):
-    """A configuration problem, reported before anything heavy starts."""
+    """A configuration problem, reported before anything heavy starts; ``override``: the ``key=value`` at fault,
+    when it is one."""
+
+    override: str | None = None
 
 
 _CHOICES = {
@@ -293,22 +296,30 @@ def apply_overrides(cfg: RuntimeConfig, overrides: Sequence[str]) -> RuntimeConf
     return _with_overrides(OmegaConf.structured(cfg), overrides, OmegaConf.structured(type(cfg)))
 
 
+def _merge_override(merged: DictConfig, item: str, schema: DictConfig) -> DictConfig:
+    if "=" not in item or item.startswith("="):
+        raise ConfigError(f"override {item!r} is not of the form key=value")
+    try:
+        layer = OmegaConf.from_dotlist([item])
+        _check_sections(layer, schema, f"override {item!r}")
+        return OmegaConf.merge(merged, layer)
+    except OmegaConfBaseException as exc:
+        raise _explain(exc, schema, f"override {item!r}") from None
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"override {item!r} cannot be parsed: {exc}") from None
+
+
 def _with_overrides(merged: DictConfig, overrides: Sequence[str] | None, schema: DictConfig) -> RuntimeConfig:
     if isinstance(overrides, str):
         raise ConfigError(f"overrides must be a list of 'key=value' strings, not one string: [{overrides!r}]")
     for item in overrides or []:
-        if "=" not in item or item.startswith("="):
-            raise ConfigError(f"override {item!r} is not of the form key=value")
         try:
-            layer = OmegaConf.from_dotlist([item])
-            _check_sections(layer, schema, f"override {item!r}")
-            merged = OmegaConf.merge(merged, layer)
-        except OmegaConfBaseException as exc:
-            raise _explain(exc, schema, f"override {item!r}") from None
-        except ConfigError:
+            merged = _merge_override(merged, item, schema)
+        except ConfigError as exc:
+            exc.override = item
             raise
-        except Exception as exc:
-            raise ConfigError(f"override {item!r} cannot be parsed: {exc}") from None
     try:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:

@@ -626,7 +626,6 @@ def test_replicas_waiting_for_replica_0s_merge_keep_their_tp_workers_inside_a_sh
 
 
 SLOW_RESULTS_SWEEP = """
-import os
 import sys
 import time
 
@@ -651,11 +650,9 @@ def test_a_two_rank_sweep_with_a_failed_run_writes_its_whole_table_before_exitin
     torchrun then stops rank 0 with SIGTERM while it writes the results: the table must still be written whole."""
     script = tmp_path / "slow_results_sweep.py"
     script.write_text(SLOW_RESULTS_SWEEP)
-    file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, grid={"model.max_seq_len": [256, 8]},
-                       overrides=[*[o for o in base_overrides(model_dir, rows) if not o.startswith("model.max_seq_len")],
-                                  "parallel.tp_size=1"])
-    proc = subprocess.run([*TORCHRUN, "--nproc-per-node", "2", str(script), "--sweep-file", str(file)], cwd=REPO,
-                          env=_env(), capture_output=True, text=True, timeout=600)
+    file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, grid={"model.max_seq_len": [256, 8]})
+    proc = subprocess.run([*TORCHRUN, "--nproc-per-node", "2", str(script), "--sweep-file", str(file),
+                           "parallel.tp_size=1"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "2 runs: 1 done, 0 skipped, 1 failed, 0 interrupted" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert [(r["model.max_seq_len"], r["status"]) for r in results(tmp_path / "out")] == [("256", "done"),
