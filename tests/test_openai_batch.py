@@ -97,7 +97,8 @@ def test_chat_body_fields_that_change_no_answer_are_accepted():
 
 
 @pytest.mark.parametrize(("url", "body", "message"), [
-    (COMPLETIONS, {"prompt": "x", "echo": True}, "echo=True is not supported"),
+    (COMPLETIONS, {"prompt": "x", "echo": 1}, "echo=1 must be true or false"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, "max_tokens=0 generates nothing: it needs echo=true"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 0.5}, "frequency_penalty=0.5"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": []}, "unsupported parameter(s) ['tools']"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs needs logprobs=true"),
@@ -241,8 +242,12 @@ BAD = {  # custom_id: (line, code)
              "context_length_exceeded"),  # fits no 128-token context beside its prompt: refused, not cut short
     "wider": (json.dumps(_line("wider", CHAT, messages=HELLO, max_completion_tokens=4000)), "context_length_exceeded"),
     "get": (json.dumps({**_line("get", COMPLETIONS, prompt="x"), "method": "GET"}), "invalid_method"),
-    "echo": (json.dumps(_line("echo", COMPLETIONS, prompt="x", echo=True)), "invalid_request"),
+    "echo": (json.dumps(_line("echo", COMPLETIONS, prompt="x", echo="yes")), "invalid_request"),
 }
+ECHO = [  # the prompt comes back with its logprobs (lm-evaluation-harness scores continuations so)
+    _line("text-echo", COMPLETIONS, prompt="Once upon a time", max_tokens=2, echo=True, logprobs=1),
+    _line("ids-echo-only", COMPLETIONS, prompt=[504, 2617, 253, 655], max_tokens=0, echo=True, logprobs=0),
+]
 
 
 def test_a_batch_file_with_good_and_bad_lines(text_model, tmp_path):
@@ -250,7 +255,7 @@ def test_a_batch_file_with_good_and_bad_lines(text_model, tmp_path):
     lines = [json.dumps(line) for line in GOOD]
     lines[2:2] = [BAD["broken"][0], BAD["embed"][0]]
     lines += [BAD["long"][0], BAD["get"][0], json.dumps(_line("chat", CHAT, messages=HELLO)), BAD["echo"][0],
-              BAD["wide"][0], BAD["wider"][0]]
+              BAD["wide"][0], BAD["wider"][0], *map(json.dumps, ECHO)]
     rows.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out.jsonl"
     proc = _launch(text_model, rows, out)
@@ -259,7 +264,7 @@ def test_a_batch_file_with_good_and_bad_lines(text_model, tmp_path):
     assert all(set(r) == LINE_KEYS for r in results)
     served = {r["custom_id"]: r for r in results if _served(r)}
     failed = [r for r in results if not _served(r)]
-    assert sorted(served) == sorted(line["custom_id"] for line in GOOD)
+    assert sorted(served) == sorted(line["custom_id"] for line in GOOD + ECHO)
     assert sorted((r["custom_id"], _error(r)["code"]) for r in failed) == sorted(
         [(cid, code) for cid, (_, code) in BAD.items()] + [("chat", "duplicate_custom_id")])
     for r in failed:
@@ -304,6 +309,20 @@ def test_a_batch_file_with_good_and_bad_lines(text_model, tmp_path):
         assert set(lp) == COMPLETION_LOGPROBS_KEYS and len(lp["tokens"]) == len(lp["token_logprobs"])
         assert lp["text_offset"][0] == 0 and all(1 <= len(top) <= 3 for top in lp["top_logprobs"])
     assert text["choices"][0]["text"] == text["choices"][1]["text"]  # greedy
+    echoed = served["text-echo"]["response"]["body"]
+    choice, lp = echoed["choices"][0], echoed["choices"][0]["logprobs"]
+    prompt_tokens = echoed["usage"]["prompt_tokens"]
+    assert choice["text"].startswith("Once upon a time") and echoed["usage"]["completion_tokens"] == 2
+    assert text["choices"][0]["text"].startswith(choice["text"][len("Once upon a time"):])  # greedy, 2 of its 6
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == prompt_tokens + 2
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(v <= 0 for v in lp["token_logprobs"][1:]) and all(1 <= len(t) <= 2 for t in lp["top_logprobs"][1:])
+    alone = served["ids-echo-only"]["response"]["body"]
+    choice, lp = alone["choices"][0], alone["choices"][0]["logprobs"]
+    assert (alone["usage"]["prompt_tokens"], alone["usage"]["completion_tokens"]) == (4, 0)
+    assert choice["finish_reason"] == "length" and choice["text"] == "".join(lp["tokens"])
+    assert len(lp["token_logprobs"]) == 4 and lp["token_logprobs"][0] is None
+    # Not _validate(d): the openai package types token_logprobs as floats; the API itself sends the first as null.
 
     # The same prompts as native rows, with the same ids: the same texts (greedy, and sampled: a row's noise
     # comes from its key, the custom_id).
@@ -316,7 +335,7 @@ def test_a_batch_file_with_good_and_bad_lines(text_model, tmp_path):
     }) + "\n" for line in GOOD))
     assert _launch(text_model, native, tmp_path / "native_out.jsonl").returncode == 0
     expected = {r["id"]: r["text"] for r in _read(tmp_path / "native_out.jsonl")}
-    got = {cid: r["response"]["body"]["choices"][0] for cid, r in served.items()}
+    got = {line["custom_id"]: served[line["custom_id"]]["response"]["body"]["choices"][0] for line in GOOD}
     assert {cid: c.get("text", c.get("message", {}).get("content")) for cid, c in got.items()} == expected
 
 

@@ -107,9 +107,17 @@ def test_server_requests_parse_streaming_and_several_prompts_and_refuse_bad_ones
     for body, message in [({"prompt": "a", "stream": "yes"}, "stream="),
                           ({"prompt": "a", "stream_options": {"include_usage": True}}, "needs stream=true"),
                           ({"prompt": "a", "frequency_penalty": 0.5}, "frequency_penalty"),
+                          ({"prompt": "a", "echo": "yes"}, "echo="),
+                          ({"prompt": "a", "max_tokens": 0}, "needs echo=true"),
                           ([1, 2], "JSON object")]:
         with pytest.raises(RequestError, match=message):
             parse_request("/v1/completions", body, defaults)
+    with pytest.raises(RequestError, match="echo"):  # the chat API has no echo
+        parse_request("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "echo": True}, defaults)
+    _, sampling, spec = parse_request("/v1/completions", {"prompt": "a", "echo": True, "logprobs": 2}, defaults)
+    assert spec.echo and not spec.prompt_only and sampling.prompt_logprobs == 2 and sampling.logprobs == 2
+    _, sampling, spec = parse_request("/v1/completions", {"prompt": "a", "echo": True, "max_tokens": 0}, defaults)
+    assert spec.prompt_only and sampling.max_new_tokens == 1 and sampling.prompt_logprobs is None
     # The error body's param names the parameter, in the API's own words, as OpenAI fills it.
     for url, body, param in [("/v1/completions", {"prompt": "a", "temperature": -1}, "temperature"),
                              ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
@@ -258,6 +266,58 @@ def test_n_logprobs_stop_and_seed(client, llm):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model="smol", prompt="One, two, three, four,", stop=[stop], stream=True, **greedy(16)) if c.choices)
     assert streamed == cut.choices[0].text and stop not in streamed  # no partial stop string leaked
+
+
+def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(client, llm):
+    """lm-evaluation-harness scores a continuation with token-id prompts, echo, max_tokens=1, logprobs=1 and
+    temperature 0, then reads token_logprobs[len(context):-1] and compares each with its alternatives' best."""
+    encode = llm.tokenizer.encode
+    context = encode("The capital of France is")
+    prompts = [context + encode(" Paris"), context + encode(" a small town")]
+    out = client.completions.create(model="smol", prompt=prompts, echo=True, logprobs=1, max_tokens=1,
+                                    temperature=0, seed=1234)
+    ref = llm.generate(prompts, SamplingParams(temperature=0, max_new_tokens=1, logprobs=1, prompt_logprobs=1))
+    assert [c.index for c in out.choices] == [0, 1]
+    for choice, prompt, r in zip(out.choices, prompts, ref):
+        lp = choice.logprobs
+        assert choice.text == llm.tokenizer.decode(prompt) + r.text
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(prompt) + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing comes before it
+        assert lp.token_logprobs[1:-1] == pytest.approx([e["logprob"] for e in r.prompt_logprobs[1:]], abs=1e-5)
+        assert lp.token_logprobs[-1] == pytest.approx(r.logprobs[0]["logprob"], abs=1e-5)
+        for p in range(1, len(prompt)):  # lm-eval's is_greedy test, against the engine's own top choice
+            greedy_here = lp.token_logprobs[p] == max(lp.top_logprobs[p].values())
+            assert greedy_here == (r.prompt_logprobs[p]["top"][0][0] == prompt[p])
+        assert lp.token_logprobs[-1] == max(lp.top_logprobs[-1].values())  # the greedy token itself
+    assert out.usage.prompt_tokens == sum(map(len, prompts)) and out.usage.completion_tokens == 2
+
+    # A text prompt comes back as sent; offsets point into the returned text; a stream says the same.
+    asked = dict(model="smol", prompt="The capital of France is", echo=True, logprobs=2, **greedy(4))
+    plain = client.completions.create(**asked).choices[0]
+    assert plain.text.startswith("The capital of France is") and len(plain.text) > len("The capital of France is")
+    lp = plain.logprobs
+    assert all(plain.text[o : o + len(t)] == t for t, o in zip(lp.tokens, lp.text_offset))
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **asked) if c.choices]
+    assert "".join(c.text for c in chunks) == plain.text
+    assert [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs] == lp.token_logprobs
+
+    # max_tokens=0: the prompt and its logprobs alone, nothing generated (as the legacy API answered it).
+    for stream in (False, True):
+        only = dict(model="smol", prompt=[prompts[0]], echo=True, logprobs=0, max_tokens=0)
+        if stream:
+            chunks = [c for c in client.completions.create(stream=True, stream_options={"include_usage": True},
+                                                           **only)]
+            choices = [c.choices[0] for c in chunks if c.choices]
+            text = "".join(c.text for c in choices)
+            token_logprobs = [v for c in choices if c.logprobs for v in c.logprobs.token_logprobs]
+            reason, usage = choices[-1].finish_reason, chunks[-1].usage
+        else:
+            answer = client.completions.create(**only)
+            text, token_logprobs = answer.choices[0].text, answer.choices[0].logprobs.token_logprobs
+            reason, usage = answer.choices[0].finish_reason, answer.usage
+        assert text == llm.tokenizer.decode(prompts[0]) and reason == "length"
+        assert token_logprobs[1:] == pytest.approx([e["logprob"] for e in ref[0].prompt_logprobs[1:]], abs=1e-5)
+        assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompts[0]), 0)
 
 
 @pytest.mark.slow

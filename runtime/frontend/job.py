@@ -251,6 +251,7 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: Todo, out_format:
     counts = {"rows": 0, "errors": 0, "input_tokens": 0, "output_tokens": 0}
     latencies: list[float] = []
     claimed: dict[str, tuple[JobRow, float]] = {}  # by the row's id, which is also its noise key
+    echo_prompts: dict[str, list[int]] = {}  # the token ids of claimed rows that ask for echo
     start = time.perf_counter()
     bar = _progress(todo.end if todo.exhausted else None, job.progress and replicas.first)
 
@@ -264,11 +265,15 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: Todo, out_format:
 
     def on_result(key: str, output: Any) -> None:
         row, claimed_at = claimed.pop(key)
+        prompt_ids = echo_prompts.pop(key, None)
         if output.error is not None:
             record_error(row, output.error)
             return
         if out_format == "openai":
-            body = openai_api.response_body(row.request, output, tokens, model_name, int(time.time()), row.key)
+            echoes = None
+            if prompt_ids is not None:
+                echoes = [tokens.echo(row.prompt, prompt_ids, output.prompt_logprobs)] * len(output.outputs)
+            body = openai_api.response_body(row.request, output, tokens, model_name, int(time.time()), row.key, echoes)
             outputs.write(openai_api.result_line(row.id, row.key, body))
         else:
             record = result_row(row.id, output)
@@ -308,6 +313,8 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: Todo, out_format:
         row = claimed[key][0]
         if row.request is not None:
             openai_api.check_context(row.request, req.prompt_len, llm.engine.max_seq_len)
+            if row.request.echo:
+                echo_prompts[key] = req.prompt_ids
 
     # Parquet rows wait in memory for a whole row group: each step flushes those older than job.fsync_every_s.
     each_step = (lambda _batch: outputs.tick()) if out_format == "parquet" else None

@@ -10,9 +10,12 @@ import codecs
 import hashlib
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.batch import TokenLogprob
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -28,8 +31,8 @@ _ALLOWED = {
 }
 # Accepted only at the value that changes nothing (clients send them filled in).
 _NEUTRAL: dict[str, tuple[Any, ...]] = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
-                                        "stream": (False,), "logit_bias": ({},), "echo": (False,),
-                                        "best_of": (1,), "suffix": ("",)}
+                                        "stream": (False,), "logit_bias": ({},), "best_of": (1,),
+                                        "suffix": ("",)}
 _STREAMING = {"stream", "stream_options"}
 _PASSED = ("temperature", "top_p", "n", "stop", "seed", "top_k", "ignore_eos", "stop_token_ids")
 
@@ -52,6 +55,22 @@ class Request:
     stream: bool = False
     include_usage: bool = False
     max_tokens: int | None = None  # as the client asked (max_tokens or max_completion_tokens)
+    echo: bool = False  # completions: the prompt comes back before the completion (0 tokens: the prompt alone)
+
+    @property
+    def prompt_only(self) -> bool:
+        """``echo`` with ``max_tokens=0``: the prompt and its logprobs, nothing generated."""
+        return self.echo and self.max_tokens == 0
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A prompt as ``echo`` returns it: its text (as sent, or decoded from token ids), its token ids and, with
+    logprobs, its entries (the first None: nothing comes before it)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None] | None
 
 
 def parse_line(obj: Any, defaults: SamplingParams) -> tuple[Any, SamplingParams, Request]:
@@ -104,10 +123,19 @@ def _parse(url: str, body: dict[str, Any], defaults: SamplingParams, server: boo
         raise RequestError("invalid_request", f"max_tokens and max_completion_tokens differ: {lengths}", "max_tokens")
     if lengths:
         names["max_new_tokens"], values["max_new_tokens"] = next(iter(lengths.items()))
+    echo = _echo(body)
+    length = values.get("max_new_tokens")
+    if length == 0 and type(length) is int and url == COMPLETIONS:
+        if not echo:
+            raise RequestError("invalid_request", "max_tokens=0 generates nothing: it needs echo=true (the prompt and "
+                                                  "its logprobs alone)", "max_tokens")
+        values["max_new_tokens"] = 1  # the engine scores the prompt while it makes one token, which is dropped
     logprobs = _logprobs(url, body)
     if logprobs is not None:
         values["logprobs"] = logprobs
         names["logprobs"] = "top_logprobs" if url == CHAT else "logprobs"
+        if echo:
+            values["prompt_logprobs"] = logprobs
     try:
         sampling = SamplingParams.from_dict(values, base=defaults)
     except (TypeError, ValueError) as exc:
@@ -117,8 +145,14 @@ def _parse(url: str, body: dict[str, Any], defaults: SamplingParams, server: boo
         for ours, theirs in names.items():
             message = message.replace(f"sampling parameter {ours}=", f"{theirs}=")
         raise RequestError("invalid_request", message.replace("sampling parameter ", ""), param) from None
-    return prompts, sampling, Request(url, model, logprobs, stream, include_usage,
-                                      sampling.max_new_tokens if lengths else None)
+    return prompts, sampling, Request(url, model, logprobs, stream, include_usage, length if lengths else None, echo)
+
+
+def _echo(body: dict[str, Any]) -> bool:
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise RequestError("invalid_request", f"echo={echo!r} must be true or false", "echo")
+    return echo
 
 
 def check_context(request: Request, prompt_tokens: int, max_seq_len: int) -> None:
@@ -243,6 +277,18 @@ class TokenText:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._cache: dict[int, tuple[str, list[int] | None]] = {}
+        self._special = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special
+
+    def echo(self, prompt: str | list[int], token_ids: list[int], logprobs: list[TokenLogprob | None] | None) -> Echo:
+        """A prompt for ``echo``: a text prompt as sent, token ids decoded (special tokens left out)."""
+        if isinstance(prompt, str):
+            text = prompt
+        else:
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        return Echo(text, list(token_ids), logprobs)
 
     def __call__(self, token_id: int) -> tuple[str, list[int] | None]:
         found = self._cache.get(token_id)
@@ -312,38 +358,63 @@ def _completion_token(tokens: TokenText, token_id: int) -> tuple[str, bytes]:
 
 
 def _completion_logprobs(entries: list[dict[str, Any]], k: int, tokens: TokenText,
-                         offsets: TextOffsets | None = None) -> dict[str, Any]:
+                         offsets: TextOffsets | None = None, echo: Echo | None = None) -> dict[str, Any]:
+    """The completions API's logprobs of ``entries``; with ``echo``, of the prompt's tokens first (the first one's
+    logprob and alternatives null). Offsets count characters of the text returned: a special token the prompt's
+    text does not spell (a BOS the tokenizer added) takes none."""
     offsets = offsets or TextOffsets()
-    texts, logprobs, tops, starts = [], [], [], []
-    for e in entries:
-        text, data = _completion_token(tokens, e["token_id"])
+    texts: list[str] = []
+    logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    starts: list[int] = []
+    rows: list[tuple[int, dict[str, Any] | None]] = []
+    if echo is not None:
+        scored = echo.logprobs or []
+        rows = [(t, scored[i] if i < len(scored) else None) for i, t in enumerate(echo.token_ids)]
+    rows += [(e["token_id"], e) for e in entries]
+    for i, (token_id, e) in enumerate(rows):
+        text, data = _completion_token(tokens, token_id)
+        in_prompt = echo is not None and i < len(echo.token_ids)
+        if in_prompt and tokens.is_special(token_id) and not echo.text.startswith(text, offsets.chars):
+            data = b""
+        texts.append(text)
+        starts.append(offsets.advance(data))
+        if e is None:
+            logprobs.append(None)
+            tops.append(None)
+            continue
         top = {_completion_token(tokens, int(t))[0]: _logprob(lp) for t, lp in e["top"][:k]}
         top.setdefault(text, _logprob(e["logprob"]))  # the sampled token is always listed, as the API does
-        texts.append(text)
         logprobs.append(_logprob(e["logprob"]))
         tops.append(top)
-        starts.append(offsets.advance(data))
     return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": starts}
 
 
 def response_body(request: Request, output: Any, tokens: TokenText, model: str, created: int,
-                  key: str) -> dict[str, Any]:
-    """The ``chat.completion`` or ``text_completion`` body of a finished request; ``key`` makes the body's id."""
+                  key: str, echoes: list[Echo] | None = None) -> dict[str, Any]:
+    """The ``chat.completion`` or ``text_completion`` body of a finished request; ``key`` makes the body's id;
+    with ``echo``, ``echoes`` holds each sample's prompt."""
     chat = request.url == CHAT
     choices = []
-    for sample in output.outputs:
+    for i, sample in enumerate(output.outputs):
+        echo = echoes[i] if request.echo and echoes is not None else None
+        text, entries, reason = sample.text, sample.logprobs, sample.finish_reason
+        if request.prompt_only:
+            text, entries, reason = "", [], "length"
         logprobs = None
-        if request.logprobs is not None and sample.logprobs is not None:
-            build = _chat_logprobs if chat else _completion_logprobs
-            logprobs = build(sample.logprobs[: sample.shown_tokens], request.logprobs, tokens)
+        if request.logprobs is not None and entries is not None:
+            if chat:
+                logprobs = _chat_logprobs(entries[: sample.shown_tokens], request.logprobs, tokens)
+            else:
+                logprobs = _completion_logprobs(entries[: sample.shown_tokens], request.logprobs, tokens, echo=echo)
         choice: dict[str, Any] = {"index": sample.sample_index}
         if chat:
-            choice["message"] = {"role": "assistant", "content": sample.text, "refusal": None}
+            choice["message"] = {"role": "assistant", "content": text, "refusal": None}
         else:
-            choice["text"] = sample.text
-        choice.update(logprobs=logprobs, finish_reason=sample.finish_reason)
+            choice["text"] = text if echo is None else echo.text + text
+        choice.update(logprobs=logprobs, finish_reason=reason)
         choices.append(choice)
-    completion_tokens = sum(s.completion_tokens for s in output.outputs)
+    completion_tokens = 0 if request.prompt_only else sum(s.completion_tokens for s in output.outputs)
     return {
         "id": _response_id(request, key), "object": "chat.completion" if chat else "text_completion",
         "created": created, "model": request.model or model, "choices": choices,
@@ -371,13 +442,14 @@ def chunk(request: Request, key: str, model: str, created: int, choices: list[di
 
 def chunk_choice(request: Request, index: int, text: str | None, finish_reason: str | None,
                  entries: list[dict[str, Any]] | None, tokens: TokenText, offsets: TextOffsets | None = None,
-                 role: bool = False) -> dict[str, Any]:
+                 role: bool = False, echo: Echo | None = None) -> dict[str, Any]:
+    """One choice of a stream's chunk; ``echo``: the prompt goes first (its text is already in ``text``)."""
     logprobs = None
-    if request.logprobs is not None and entries:
+    if request.logprobs is not None and (entries or echo is not None):
         if request.url == CHAT:
-            logprobs = _chat_logprobs(entries, request.logprobs, tokens)
+            logprobs = _chat_logprobs(entries or [], request.logprobs, tokens)
         else:
-            logprobs = _completion_logprobs(entries, request.logprobs, tokens, offsets)
+            logprobs = _completion_logprobs(entries or [], request.logprobs, tokens, offsets, echo)
     if request.url == CHAT:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:

@@ -144,7 +144,7 @@ async def _complete(request: web.Request, url: str) -> web.StreamResponse:
         if spec.model is not None and spec.model != state.model:
             return _error(404, f"the model {spec.model!r} does not exist; this server serves {state.model!r}",
                           "model_not_found", "model")
-        reqs, prompt_tokens = await asyncio.get_running_loop().run_in_executor(
+        reqs, sources, prompt_tokens = await asyncio.get_running_loop().run_in_executor(
             state.prompts, _make_requests, state.llm, prompts, sampling, spec)
     except api.RequestError as exc:
         return _error(400, str(exc), exc.code, exc.param)
@@ -160,27 +160,36 @@ async def _complete(request: web.Request, url: str) -> web.StreamResponse:
     state.serving.submit(call)
     key, created = uuid.uuid4().hex, int(time.time())
     if spec.stream:
-        return await _stream(request, state, call, spec, key, created)
+        return await _stream(request, state, call, spec, key, created, sources)
     if not await _wait(request, state, call):
         return web.Response(status=499)
     if call.cut:
         return _error(503, "the request was cut short: the server is shutting down", "unavailable")
     samples = [replace(SampleOutput.from_req(r, state.decode), sample_index=i) for i, r in enumerate(call.reqs)]
     output = RequestOutput(index=0, prompt_tokens=prompt_tokens, outputs=samples)
-    return web.json_response(api.response_body(spec, output, state.tokens, state.model, created, key),
+    echoes = [_echo(state, r, source) for r, source in zip(call.reqs, sources)] if spec.echo else None
+    return web.json_response(api.response_body(spec, output, state.tokens, state.model, created, key, echoes),
                              dumps=_dumps)
 
 
-def _make_requests(llm: LLM, prompts: list[Any], sampling: Any, spec: api.Request) -> tuple[list[Any], int]:
-    """Encode (and render) the prompts and check that they fit; on the prompts thread."""
-    reqs, prompt_tokens = [], 0
+def _make_requests(llm: LLM, prompts: list[Any], sampling: Any, spec: api.Request
+                   ) -> tuple[list[Any], list[Any], int]:
+    """Encode (and render) the prompts and check that they fit; on the prompts thread. Returns the requests, the
+    prompt each came from, and the prompts' tokens."""
+    reqs, sources, prompt_tokens = [], [], 0
     for prompt in prompts:
         group = llm.make_requests(prompt, sampling)
         api.check_context(spec, group[0].prompt_len, llm.engine.max_seq_len)
         llm.scheduler.check(group[0])
         reqs += group
+        sources += [prompt] * len(group)
         prompt_tokens += group[0].prompt_len
-    return reqs, prompt_tokens
+    return reqs, sources, prompt_tokens
+
+
+def _echo(state: ServerState, req: Req, source: Any) -> api.Echo:
+    """The prompt ``echo`` returns; its logprobs are sample 0's (complete once any sample has a token)."""
+    return state.tokens.echo(source, req.prompt_ids, (req.leader or req).prompt_logprobs)
 
 
 def _gone(request: web.Request) -> bool:
@@ -282,9 +291,10 @@ def _text_chunk_template(spec: api.Request, key: str, model: str, created: int, 
 
 
 async def _stream(request: web.Request, state: ServerState, call: Call, spec: api.Request, key: str,
-                  created: int) -> web.StreamResponse:
+                  created: int, sources: list[Any]) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     choices = [_ChoiceStream(state, r) for r in call.reqs]
+    echo_pending = [spec.echo] * len(choices)  # the prompt goes out with a choice's first token (or its end)
     interval = state.cfg.stream_interval_ms / 1000
     plain = [_text_chunk_template(spec, key, state.model, created, i) for i in range(len(choices))]
     try:
@@ -301,13 +311,20 @@ async def _stream(request: web.Request, state: ServerState, call: Call, spec: ap
                 if choice.done:
                     continue
                 text, entries, reason, new = choice.advance()
+                if spec.prompt_only and reason != "abort":  # the one token made while scoring the prompt is dropped
+                    text, entries, new = "", None, 0
+                    reason = "length" if reason else None
+                echo = None
+                if echo_pending[i] and (new or reason) and reason != "abort":
+                    echo, echo_pending[i] = _echo(state, choice.req, sources[i]), False
+                    text = echo.text + text
                 if reason == "abort":  # not a finish reason OpenAI clients know: the stream ends in an error
                     cut = True
-                elif reason is None and not entries and new:
+                elif reason is None and not entries and new and echo is None:
                     head, tail = plain[i]
                     out += head + _dumps(text).encode() + tail
-                elif new or reason:
-                    piece = api.chunk_choice(spec, i, text, reason, entries, state.tokens, choice.offsets)
+                elif new or reason or echo is not None:
+                    piece = api.chunk_choice(spec, i, text, reason, entries, state.tokens, choice.offsets, echo=echo)
                     out += _event(api.chunk(spec, key, state.model, created, [piece]))
             if cut:
                 # OpenAI's clients raise an APIError on an error event; no [DONE]: the answer is not complete.
@@ -323,7 +340,7 @@ async def _stream(request: web.Request, state: ServerState, call: Call, spec: ap
             if interval > 0:
                 await asyncio.sleep(interval)  # fewer, larger chunks
         if spec.include_usage:
-            completion = sum(len(r.output_ids) for r in call.reqs)
+            completion = 0 if spec.prompt_only else sum(len(r.output_ids) for r in call.reqs)
             await response.write(_event(api.usage_chunk(spec, key, state.model, created, call.prompt_tokens,
                                                         completion)))
         await response.write(b"data: [DONE]\n\n")
