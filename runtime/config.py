@@ -132,7 +132,7 @@ class ServerSection:
 
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (the address is printed)
-    api_key: str | None = None  # set: every /v1 request needs "Authorization: Bearer <api_key>"
+    api_key: str | None = None  # set: every request but /health and /metrics needs "Authorization: Bearer <api_key>"
     served_model_name: str | None = None  # the model's name in the API (default: the model directory's name)
     max_queue: int = 1024  # requests waiting for admission beyond this get 503
     # A stream sends at most one chunk this often (fewer chunks leave the step loop more host time); 0: every step

@@ -202,6 +202,50 @@ def test_models_health_and_auth(server, client):
         client.completions.create(model="other", prompt="Hi", max_tokens=2)
 
 
+def _call(url: str, body: object = None, key: str | None = KEY) -> tuple[int, dict]:
+    """(status, JSON body) of a GET (no body) or a POST."""
+    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers), timeout=60) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_tokenizer_endpoints_answer_as_the_models_tokenizer(server, llm):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info, against transformers' tokenizer of the same model; what
+    lm-evaluation-harness checks before it tokenizes on the server."""
+    tok = llm.tokenizer
+    text = "Hello world: tokenizers, and 3.14159 sélectionné"
+    status, answer = _call(server + "/tokenize", {"prompt": text, "model": "smol"})
+    assert status == 200 and answer["tokens"] == tok.encode(text) and answer["count"] == len(answer["tokens"])
+    assert answer["max_model_len"] == llm.engine.max_seq_len
+    status, answer = _call(server + "/tokenize", {"prompt": "test", "add_special_tokens": False})
+    assert status == 200 and answer["tokens"] == tok.encode("test", add_special_tokens=False)
+    chat = [{"role": "user", "content": "What is 2+2?"}]
+    status, answer = _call(server + "/tokenize", {"messages": chat})
+    assert status == 200 and answer["tokens"] == llm.encode(chat)  # what a chat request sends the model
+    ids = tok.encode(text)
+    status, answer = _call(server + "/detokenize", {"tokens": ids})
+    assert status == 200 and answer["prompt"] == tok.decode(ids, skip_special_tokens=True)
+    status, info = _call(server + "/tokenizer_info")
+    assert status == 200 and info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
+    assert info["model_max_length"] == llm.engine.max_seq_len
+    for path, body, code, param in [("/tokenize", {"prompt": "a", "messages": chat}, 400, "prompt"),
+                                    ("/tokenize", {"prompt": 3}, 400, "prompt"),
+                                    ("/tokenize", {"prompt": "a", "truncate": 2}, 400, "truncate"),
+                                    ("/tokenize", {"prompt": "a", "add_special_tokens": "no"}, 400,
+                                     "add_special_tokens"),
+                                    ("/tokenize", {"prompt": "a", "model": "other"}, 404, "model"),
+                                    ("/detokenize", {"tokens": [tok.vocab_size + 10**6]}, 400, "tokens"),
+                                    ("/detokenize", {"tokens": "1 2"}, 400, "tokens"),
+                                    ("/tokenize", b"{not json", 400, None)]:
+        status, answer = _call(server + path, body)
+        assert (status, answer["error"]["param"]) == (code, param), (path, body, answer)
+    assert _call(server + "/tokenize", {"prompt": "a"}, key=None)[0] == 401  # only the probes answer without it
+
+
 @pytest.mark.slow
 def test_chat_and_completion_stream_and_not_equal_generate(client, llm):
     question = [{"role": "user", "content": "What is 2+2?"}]

@@ -115,7 +115,7 @@ def _parse(url: str, body: dict[str, Any], defaults: SamplingParams, server: boo
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError("invalid_request", f"'model' must be a string, not {model!r}", "model")
-    prompts = [_messages(body.get("messages"))] if url == CHAT else _prompts(body.get("prompt"), many=server)
+    prompts = [parse_messages(body.get("messages"))] if url == CHAT else _prompts(body.get("prompt"), many=server)
     values = {name: body[name] for name in _PASSED if name in body}
     names = {"max_new_tokens": "max_tokens"}
     lengths = {k: body[k] for k in ("max_completion_tokens", "max_tokens") if k in body}
@@ -201,7 +201,7 @@ def _logprobs(url: str, body: dict[str, Any]) -> int | None:
     return 0 if top is None else top
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
+def parse_messages(value: Any) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         raise RequestError("invalid_request", "'messages' must be a non-empty list of {role, content} objects",
                            "messages")

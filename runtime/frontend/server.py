@@ -26,6 +26,7 @@ from runtime.frontend.metrics import Metrics
 from runtime.frontend.results import RequestOutput
 from runtime.frontend.serving import Call, Serving
 from runtime.frontend.tokenizer import IncrementalDetokenizer, load_tokenizer
+from runtime.frontend.tokenizer_api import detokenize_ids, tokenize, tokenizer_info
 from runtime.output import SampleOutput, shown_tokens
 
 DISCONNECT_POLL_S = 1.0
@@ -62,11 +63,15 @@ def _error(status: int, message: str, code: str | None = None, param: str | None
     return web.json_response(api.error_body(message, code, param, kind), status=status)
 
 
+OPEN_PATHS = ("/health", "/metrics")  # probes answer without the API key
+
+
 @web.middleware
 async def _errors_and_auth(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Every error in OpenAI's shape; with ``server.api_key`` set, ``/v1/`` needs ``Authorization: Bearer <key>``."""
+    """Every error in OpenAI's shape; with ``server.api_key`` set, every path but the probes (``/health``,
+    ``/metrics``) needs ``Authorization: Bearer <key>``."""
     key = request.app[STATE].cfg.api_key
-    if key and request.path.startswith("/v1/"):
+    if key and request.path not in OPEN_PATHS:
         given = request.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             return _error(401, "invalid or missing API key (Authorization: Bearer <key>)", "invalid_api_key")
@@ -88,6 +93,9 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/v1/models/{model:.+}", _model)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post("/tokenize", _tokenize)
+    app.router.add_post("/detokenize", _detokenize)
+    app.router.add_get("/tokenizer_info", _tokenizer_info)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     return app
@@ -109,6 +117,68 @@ async def _model(request: web.Request) -> web.Response:
 def _model_entry(state: ServerState) -> dict[str, Any]:
     return {"id": state.model, "object": "model", "created": int(state.metrics.started), "owned_by": "tpinfer",
             "max_model_len": state.llm.engine.max_seq_len}
+
+
+async def _tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await _json_body(request)
+    if isinstance(body, web.Response):
+        return body
+    refused = _no_tokenizer(state) or _other_model(state, body)
+    if refused is not None:
+        return refused
+    try:  # on the prompts thread, with its tokenizer: a long prompt holds up no other request
+        tokens = await asyncio.get_running_loop().run_in_executor(state.prompts, tokenize, state.llm.tokenizer, body)
+    except api.RequestError as exc:
+        return _error(400, str(exc), exc.code, exc.param)
+    except Exception as exc:  # noqa: BLE001 - a chat template's own error, say
+        return _error(400, f"{type(exc).__name__}: {exc}", "invalid_request")
+    return web.json_response({"count": len(tokens), "max_model_len": state.llm.engine.max_seq_len, "tokens": tokens})
+
+
+async def _detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await _json_body(request)
+    if isinstance(body, web.Response):
+        return body
+    refused = _no_tokenizer(state) or _other_model(state, body)
+    if refused is not None:
+        return refused
+    try:
+        tokens = detokenize_ids(body, state.llm.model_config.vocab_size)
+    except api.RequestError as exc:
+        return _error(400, str(exc), exc.code, exc.param)
+    return web.json_response({"prompt": state.decode(tokens)}, dumps=_dumps)
+
+
+async def _tokenizer_info(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    refused = _no_tokenizer(state)
+    if refused is not None:
+        return refused
+    return web.json_response(tokenizer_info(state.tokenizer, state.llm.engine.max_seq_len), dumps=_dumps)
+
+
+async def _json_body(request: web.Request) -> Any:
+    """The request's JSON, or the 400 response saying why it is not JSON."""
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return _error(400, f"the request body is not valid JSON: {exc}", "invalid_json")
+
+
+def _no_tokenizer(state: ServerState) -> web.Response | None:
+    if state.tokenizer is None:
+        return _error(400, f"the model directory {state.llm.model_dir} has no tokenizer", "invalid_request")
+    return None
+
+
+def _other_model(state: ServerState, body: Any) -> web.Response | None:
+    model = body.get("model") if isinstance(body, dict) else None
+    if model is not None and model != state.model:
+        return _error(404, f"the model {model!r} does not exist; this server serves {state.model!r}",
+                      "model_not_found", "model")
+    return None
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -135,15 +205,14 @@ async def _complete(request: web.Request, url: str) -> web.StreamResponse:
     state = request.app[STATE]
     if not state.accepting:
         return _error(503, "the server is shutting down", "unavailable")
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        return _error(400, f"the request body is not valid JSON: {exc}", "invalid_json")
+    body = await _json_body(request)
+    if isinstance(body, web.Response):
+        return body
     try:
         prompts, sampling, spec = api.parse_request(url, body, state.llm.default_sampling())
-        if spec.model is not None and spec.model != state.model:
-            return _error(404, f"the model {spec.model!r} does not exist; this server serves {state.model!r}",
-                          "model_not_found", "model")
+        refused = _other_model(state, body)
+        if refused is not None:
+            return refused
         reqs, sources, prompt_tokens = await asyncio.get_running_loop().run_in_executor(
             state.prompts, _make_requests, state.llm, prompts, sampling, spec)
     except api.RequestError as exc:
@@ -390,7 +459,7 @@ async def run_server(llm: LLM, cfg: ServerSection) -> int:
         raise RuntimeError(f"cannot listen on {cfg.host}:{cfg.port} (server.host, server.port): {exc}") from None
     host, port = runner.addresses[0][:2]
     serving.start()
-    print(f"serving {state.model!r} on http://{host}:{port}/v1 (OpenAI API; /health, /metrics)", flush=True)
+    print(f"serving {state.model!r} on http://{host}:{port}/v1 (OpenAI API; /tokenize, /health, /metrics)", flush=True)
     try:
         while serving.alive:
             if state.accepting and llm.drain is not None and llm.drain.requested:
