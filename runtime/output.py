@@ -21,13 +21,14 @@ class SampleOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token id
     cumulative_logprob: float | None = None
     shown_tokens: int = 0  # the leading token ids the text shows (OpenAI's logprobs list only these)
+    stop_token_hidden: bool = False  # the last token id is an EOS or stop token the text leaves out
 
     @classmethod
     def from_req(cls, req: Req, decode: Callable[[list[int]], str]) -> SampleOutput:
         text = req.text if req.text is not None else decode(req.text_ids)
         shown = shown_tokens(req, decode) if req.output_logprobs is not None else len(req.text_ids)
         return cls(req.sample_index, text, list(req.output_ids), req.finish_reason, len(req.output_ids),
-                   req.output_logprobs, req.cumulative_logprob, shown)
+                   req.output_logprobs, req.cumulative_logprob, shown, req.stop_token_hidden)
 
 
 def shown_tokens(req: Req, decode: Callable[[list[int]], str]) -> int:

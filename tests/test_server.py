@@ -226,9 +226,12 @@ def test_tokenizer_endpoints_answer_as_the_models_tokenizer(server, llm):
     chat = [{"role": "user", "content": "What is 2+2?"}]
     status, answer = _call(server + "/tokenize", {"messages": chat})
     assert status == 200 and answer["tokens"] == llm.encode(chat)  # what a chat request sends the model
-    ids = tok.encode(text)
+    ids = [tok.convert_tokens_to_ids(tok.eos_token), *tok.encode(text)]
     status, answer = _call(server + "/detokenize", {"tokens": ids})
-    assert status == 200 and answer["prompt"] == tok.decode(ids, skip_special_tokens=True)
+    assert status == 200 and answer["prompt"] == tok.decode(ids) and tok.eos_token in answer["prompt"]  # undoes it
+    status, answer = _call(server + "/tokenize", {"prompt": text, "return_token_strs": True,
+                                                  "add_special_tokens": None})
+    assert status == 200 and answer["token_strs"] == tok.convert_ids_to_tokens(tok.encode(text))
     status, info = _call(server + "/tokenizer_info")
     assert status == 200 and info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
     assert info["model_max_length"] == llm.engine.max_seq_len
@@ -317,15 +320,22 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(client, 
     temperature 0, then reads token_logprobs[len(context):-1] and compares each with its alternatives' best."""
     encode = llm.tokenizer.encode
     context = encode("The capital of France is")
-    prompts = [context + encode(" Paris"), context + encode(" a small town")]
+    # The third ends an answer: the model's next token is its EOS, which the text leaves out but the scores keep.
+    answered = llm.encode([{"role": "user", "content": "Say hello"}]) + encode("Hello! How can I help you today?")
+    prompts = [context + encode(" Paris"), context + encode(" a small town"), answered]
     out = client.completions.create(model="smol", prompt=prompts, echo=True, logprobs=1, max_tokens=1,
                                     temperature=0, seed=1234)
     ref = llm.generate(prompts, SamplingParams(temperature=0, max_new_tokens=1, logprobs=1, prompt_logprobs=1))
-    assert [c.index for c in out.choices] == [0, 1]
+    assert [c.index for c in out.choices] == [0, 1, 2] and ref[2].finish_reason == "stop" and ref[2].text == ""
     for choice, prompt, r in zip(out.choices, prompts, ref):
         lp = choice.logprobs
-        assert choice.text == llm.tokenizer.decode(prompt) + r.text
+        assert choice.text == llm.tokenizer.decode(prompt, skip_special_tokens=True) + r.text
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(prompt) + 1
+        ends = [*lp.text_offset[1:], len(choice.text)]
+        for token_id, t, o, end in zip([*prompt, *r.token_ids], lp.tokens, lp.text_offset, ends):
+            # A token stands at its offset, or takes no room: a special token the text leaves out.
+            assert choice.text[o : o + len(t)] == t or (token_id in llm.tokenizer.all_special_ids and end == o)
+        assert lp.text_offset[-1] == len(choice.text) - len(r.text)  # the completion starts after the prompt
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing comes before it
         assert lp.token_logprobs[1:-1] == pytest.approx([e["logprob"] for e in r.prompt_logprobs[1:]], abs=1e-5)
         assert lp.token_logprobs[-1] == pytest.approx(r.logprobs[0]["logprob"], abs=1e-5)
@@ -333,7 +343,17 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(client, 
             greedy_here = lp.token_logprobs[p] == max(lp.top_logprobs[p].values())
             assert greedy_here == (r.prompt_logprobs[p]["top"][0][0] == prompt[p])
         assert lp.token_logprobs[-1] == max(lp.top_logprobs[-1].values())  # the greedy token itself
-    assert out.usage.prompt_tokens == sum(map(len, prompts)) and out.usage.completion_tokens == 2
+    assert out.usage.prompt_tokens == sum(map(len, prompts)) and out.usage.completion_tokens == 3
+    streamed = [c.choices[0] for c in client.completions.create(
+        model="smol", prompt=[answered], echo=True, logprobs=1, max_tokens=1, temperature=0, stream=True) if c.choices]
+    assert [v for c in streamed if c.logprobs for v in c.logprobs.token_logprobs] == out.choices[2].logprobs.token_logprobs
+    assert [v for c in streamed if c.logprobs for v in c.logprobs.text_offset] == out.choices[2].logprobs.text_offset
+
+    # A prompt that ends inside a character: the completion's offsets go on from the prompt's text as returned.
+    split = encode("café 日本語")[:-1]
+    cut = client.completions.create(model="smol", prompt=[split], echo=True, logprobs=0, **greedy(3)).choices[0]
+    shown = llm.tokenizer.decode(split, skip_special_tokens=True)
+    assert cut.text.startswith(shown) and cut.logprobs.text_offset[len(split)] == len(shown)
 
     # A text prompt comes back as sent; offsets point into the returned text; a stream says the same.
     asked = dict(model="smol", prompt="The capital of France is", echo=True, logprobs=2, **greedy(4))

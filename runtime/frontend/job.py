@@ -286,7 +286,8 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: Todo, out_format:
                 return
         counts["rows"] += 1
         counts["input_tokens"] += output.prompt_tokens
-        counts["output_tokens"] += output.total_completion_tokens
+        if row.request is None or not row.request.prompt_only:  # its one token is made only to score the prompt
+            counts["output_tokens"] += output.total_completion_tokens
         latencies.append(round(time.perf_counter() - claimed_at, 4))
         bar.update(replicas.finished() - bar.n)
         bar.set_postfix(tok_s=f"{counts['output_tokens'] / max(time.perf_counter() - start, 1e-9):.0f}")

@@ -342,6 +342,11 @@ class TextOffsets:
         self.chars += len(self._decoder.decode(data))
         return start
 
+    def restart(self, chars: int) -> None:
+        """Go on from character ``chars`` of a text decoded apart (an echoed prompt): no bytes carry over."""
+        self.chars = chars
+        self._decoder.reset()
+
 
 def _completion_token(tokens: TokenText, token_id: int) -> tuple[str, bytes]:
     """A token as the completions API lists it, and its bytes: a token that is no whole UTF-8 text (part of a
@@ -358,24 +363,31 @@ def _completion_token(tokens: TokenText, token_id: int) -> tuple[str, bytes]:
 
 
 def _completion_logprobs(entries: list[dict[str, Any]], k: int, tokens: TokenText,
-                         offsets: TextOffsets | None = None, echo: Echo | None = None) -> dict[str, Any]:
+                         offsets: TextOffsets | None = None, echo: Echo | None = None,
+                         hidden_last: bool = False) -> dict[str, Any]:
     """The completions API's logprobs of ``entries``; with ``echo``, of the prompt's tokens first (the first one's
     logprob and alternatives null). Offsets count characters of the text returned: a special token the prompt's
-    text does not spell (a BOS the tokenizer added) takes none."""
+    text does not spell (a BOS the tokenizer added) takes none, nor does a last entry the text leaves out
+    (``hidden_last``: an EOS, listed with echo as vLLM does, so a scored continuation keeps its last token)."""
     offsets = offsets or TextOffsets()
     texts: list[str] = []
     logprobs: list[float | None] = []
     tops: list[dict[str, float] | None] = []
     starts: list[int] = []
     rows: list[tuple[int, dict[str, Any] | None]] = []
+    prompt_rows = 0
     if echo is not None:
         scored = echo.logprobs or []
         rows = [(t, scored[i] if i < len(scored) else None) for i, t in enumerate(echo.token_ids)]
+        prompt_rows = len(rows)
     rows += [(e["token_id"], e) for e in entries]
     for i, (token_id, e) in enumerate(rows):
+        if echo is not None and i == prompt_rows:
+            offsets.restart(len(echo.text))  # the prompt's text is as sent, not its tokens' bytes
         text, data = _completion_token(tokens, token_id)
-        in_prompt = echo is not None and i < len(echo.token_ids)
-        if in_prompt and tokens.is_special(token_id) and not echo.text.startswith(text, offsets.chars):
+        if i < prompt_rows and tokens.is_special(token_id) and not echo.text.startswith(text, offsets.chars):
+            data = b""
+        if hidden_last and i == len(rows) - 1:
             data = b""
         texts.append(text)
         starts.append(offsets.advance(data))
@@ -406,7 +418,9 @@ def response_body(request: Request, output: Any, tokens: TokenText, model: str, 
             if chat:
                 logprobs = _chat_logprobs(entries[: sample.shown_tokens], request.logprobs, tokens)
             else:
-                logprobs = _completion_logprobs(entries[: sample.shown_tokens], request.logprobs, tokens, echo=echo)
+                hidden = echo is not None and sample.stop_token_hidden and not request.prompt_only
+                logprobs = _completion_logprobs(entries[: sample.shown_tokens + int(hidden)], request.logprobs, tokens,
+                                                echo=echo, hidden_last=hidden)
         choice: dict[str, Any] = {"index": sample.sample_index}
         if chat:
             choice["message"] = {"role": "assistant", "content": text, "refusal": None}
@@ -442,14 +456,15 @@ def chunk(request: Request, key: str, model: str, created: int, choices: list[di
 
 def chunk_choice(request: Request, index: int, text: str | None, finish_reason: str | None,
                  entries: list[dict[str, Any]] | None, tokens: TokenText, offsets: TextOffsets | None = None,
-                 role: bool = False, echo: Echo | None = None) -> dict[str, Any]:
-    """One choice of a stream's chunk; ``echo``: the prompt goes first (its text is already in ``text``)."""
+                 role: bool = False, echo: Echo | None = None, hidden_last: bool = False) -> dict[str, Any]:
+    """One choice of a stream's chunk; ``echo``: the prompt goes first (its text is already in ``text``);
+    ``hidden_last``: the last entry is a token the text leaves out."""
     logprobs = None
     if request.logprobs is not None and (entries or echo is not None):
         if request.url == CHAT:
             logprobs = _chat_logprobs(entries or [], request.logprobs, tokens)
         else:
-            logprobs = _completion_logprobs(entries or [], request.logprobs, tokens, offsets, echo)
+            logprobs = _completion_logprobs(entries or [], request.logprobs, tokens, offsets, echo, hidden_last)
     if request.url == CHAT:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:

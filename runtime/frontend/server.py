@@ -128,12 +128,13 @@ async def _tokenize(request: web.Request) -> web.Response:
     if refused is not None:
         return refused
     try:  # on the prompts thread, with its tokenizer: a long prompt holds up no other request
-        tokens = await asyncio.get_running_loop().run_in_executor(state.prompts, tokenize, state.llm.tokenizer, body)
+        answer = await asyncio.get_running_loop().run_in_executor(state.prompts, tokenize, state.llm.tokenizer, body)
     except api.RequestError as exc:
         return _error(400, str(exc), exc.code, exc.param)
     except Exception as exc:  # noqa: BLE001 - a chat template's own error, say
         return _error(400, f"{type(exc).__name__}: {exc}", "invalid_request")
-    return web.json_response({"count": len(tokens), "max_model_len": state.llm.engine.max_seq_len, "tokens": tokens})
+    answer = {"count": len(answer["tokens"]), "max_model_len": state.llm.engine.max_seq_len, **answer}
+    return web.json_response(answer, dumps=_dumps)
 
 
 async def _detokenize(request: web.Request) -> web.Response:
@@ -148,7 +149,9 @@ async def _detokenize(request: web.Request) -> web.Response:
         tokens = detokenize_ids(body, state.llm.model_config.vocab_size)
     except api.RequestError as exc:
         return _error(400, str(exc), exc.code, exc.param)
-    return web.json_response({"prompt": state.decode(tokens)}, dumps=_dumps)
+    # On the prompts thread (a long list holds up no stream); special tokens kept, so decode undoes /tokenize.
+    text = await asyncio.get_running_loop().run_in_executor(state.prompts, state.llm.tokenizer.decode, tokens)
+    return web.json_response({"prompt": text}, dumps=_dumps)
 
 
 async def _tokenizer_info(request: web.Request) -> web.Response:
@@ -291,8 +294,10 @@ class _ChoiceStream:
     """One choice's progress through a stream. A token's logprob entry goes out with its text: one whose text is
     held back (it may start a stop string) keeps its entry back too."""
 
-    def __init__(self, state: ServerState, req: Req) -> None:
+    def __init__(self, state: ServerState, req: Req, echo: bool = False) -> None:
         self.req, self.decode = req, state.decode
+        self.echo = echo  # with echo an ending EOS or stop token is listed too (zero width), as vLLM does
+        self.hidden_last = False  # the entries sent last end with such a token
         self.detok = IncrementalDetokenizer(state.tokenizer) if state.tokenizer is not None else None
         params = req.sampling
         self.hidden = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else state.llm.eos_ids)
@@ -317,6 +322,8 @@ class _ChoiceStream:
             text = (req.text if req.text is not None else self.decode(req.text_ids))[self.chars_sent :]
             if req.output_logprobs is not None:
                 shown = shown_tokens(req, self.decode)
+                if self.echo and req.stop_token_hidden:
+                    shown, self.hidden_last = shown + 1, True
         elif self.detok is not None and new:
             if self.starts is None:
                 self.detok.extend(new)
@@ -362,7 +369,7 @@ def _text_chunk_template(spec: api.Request, key: str, model: str, created: int, 
 async def _stream(request: web.Request, state: ServerState, call: Call, spec: api.Request, key: str,
                   created: int, sources: list[Any]) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    choices = [_ChoiceStream(state, r) for r in call.reqs]
+    choices = [_ChoiceStream(state, r, spec.echo) for r in call.reqs]
     echo_pending = [spec.echo] * len(choices)  # the prompt goes out with a choice's first token (or its end)
     interval = state.cfg.stream_interval_ms / 1000
     plain = [_text_chunk_template(spec, key, state.model, created, i) for i in range(len(choices))]
@@ -393,7 +400,8 @@ async def _stream(request: web.Request, state: ServerState, call: Call, spec: ap
                     head, tail = plain[i]
                     out += head + _dumps(text).encode() + tail
                 elif new or reason or echo is not None:
-                    piece = api.chunk_choice(spec, i, text, reason, entries, state.tokens, choice.offsets, echo=echo)
+                    piece = api.chunk_choice(spec, i, text, reason, entries, state.tokens, choice.offsets, echo=echo,
+                                             hidden_last=choice.hidden_last)
                     out += _event(api.chunk(spec, key, state.model, created, [piece]))
             if cut:
                 # OpenAI's clients raise an APIError on an error event; no [DONE]: the answer is not complete.

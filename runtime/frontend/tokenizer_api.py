@@ -9,14 +9,24 @@ from typing import Any
 from runtime.frontend.openai_api import RequestError, parse_messages
 
 
-def tokenize(tokenizer: Any, body: Any) -> list[int]:
+def tokenize(tokenizer: Any, body: Any) -> dict[str, Any]:
     """``{"prompt": str, "add_special_tokens"?: bool (true)}`` or ``{"messages": [...], "add_generation_prompt"?:
-    bool (true)}`` to token ids, as a completion or a chat request would send them to the model."""
+    bool (true)}`` to token ids, as a completion or a chat request would send them to the model
+    (``return_token_strs``: each one's vocabulary string too): ``{"tokens": [...], "token_strs"?: [...]}``."""
     if not isinstance(body, dict):
         raise RequestError("invalid_request", f"the request body must be a JSON object, not {type(body).__name__}")
-    unknown = sorted(set(body) - {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"})
+    body = {k: v for k, v in body.items() if v is not None}  # null means "the default", as in the API
+    unknown = sorted(set(body) - {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                                  "return_token_strs"})
     if unknown:
         raise RequestError("invalid_request", f"unsupported parameter(s) {unknown} for /tokenize", unknown[0])
+    tokens = _tokens(tokenizer, body)
+    if _flag(body, "return_token_strs", False):
+        return {"tokens": tokens, "token_strs": tokenizer.convert_ids_to_tokens(tokens)}
+    return {"tokens": tokens}
+
+
+def _tokens(tokenizer: Any, body: dict[str, Any]) -> list[int]:
     if ("prompt" in body) == ("messages" in body):
         raise RequestError("invalid_request", "/tokenize takes one of 'prompt' (a string) and 'messages'", "prompt")
     if "messages" in body:
