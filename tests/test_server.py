@@ -174,7 +174,8 @@ def test_a_sentencepiece_token_of_latin_letters_is_text_not_bytes():
     assert tokens(vocab["<0xE9>"])[1] == [0xE9]
     ids = [vocab["▁caf"], vocab["é"], vocab["<0xC3>"], vocab["<0xBC>"]]  # café, then ü split into its bytes
     lp = _completion_logprobs([{"token_id": t, "logprob": -1.0, "top": [(t, -1.0)]} for t in ids], 1, tokens)
-    assert lp["tokens"] == ["caf", "é", "bytes:\\xc3", "bytes:\\xbc"] and lp["text_offset"] == [0, 3, 4, 4]
+    # A generated word-initial token reads with its space, as the completion's text has it after the prompt.
+    assert lp["tokens"] == [" caf", "é", "bytes:\\xc3", "bytes:\\xbc"] and lp["text_offset"] == [0, 4, 5, 5]
 
 
 def _valid_utf8(data: bytes) -> bool:

@@ -60,3 +60,51 @@ def test_eos_ids_are_the_ones_transformers_generate_stops_at(llama_without_gener
     theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).generation_config.eos_token_id
     expected = set(theirs if isinstance(theirs, list) else [theirs]) - {None}
     assert tokenizer.eos_token_ids(path, None) == expected
+
+
+def _sentencepiece_tokenizer(words: list[str]):  # noqa: ANN202
+    """A Llama-2 / Mistral style tokenizer: SentencePiece pieces ("▁" marks a word's start), byte fallback, and
+    the decoder that strips the leading space of a text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ["▁", *words]:
+        vocab[piece] = len(vocab)
+    sp = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    sp.pre_tokenizer = pre_tokenizers.Metaspace()
+    sp.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=sp, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_generated_text_keeps_the_space_a_sentencepiece_decoder_strips(tmp_path: Path, default_model_dir: Path):
+    """The reference is the prompt and output decoded together, less the prompt's text: what the output adds.
+    SentencePiece decoders drop a text's leading space, so the output decoded alone would lose its first word's
+    space ("is" + "Paris")."""
+    from transformers import AutoTokenizer
+
+    from runtime import LLM, SamplingParams
+    from tests.conftest import make_tiny_llama
+
+    path = make_tiny_llama(tmp_path, seed=1)
+    _sentencepiece_tokenizer([f"▁w{i}" for i in range(200)]).save_pretrained(path)
+    ref_tok = AutoTokenizer.from_pretrained(path)
+    assert tokenizer.strips_leading_space(ref_tok)
+    assert not tokenizer.strips_leading_space(tokenizer.load_tokenizer(default_model_dir))  # byte-level BPE
+
+    llm = LLM(str(path), overrides=["engine.device=cpu"])
+    prompts = [f"w{i} w{i + 1}" for i in range(0, 60, 3)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        ids = ref_tok.encode(prompt)
+        whole = ref_tok.decode(ids + out.token_ids, skip_special_tokens=True)
+        assert out.text == whole[len(ref_tok.decode(ids, skip_special_tokens=True)):], (prompt, out.token_ids)
+        if "\ufffd" in out.text:
+            continue  # random bytes: a window decodes them apart from the whole (the final text is the whole's)
+        streamed = tokenizer.IncrementalDetokenizer(ref_tok, strips=True)
+        for token in out.token_ids:  # the stop-string and streaming path, one token at a time
+            streamed.push(token)
+        assert streamed.text == out.text
+    assert any(out.text.startswith(" ") and "\ufffd" not in out.text for out in outs)  # the case is met
+    llm.shutdown()

@@ -19,7 +19,13 @@ from runtime.config import RuntimeConfig, apply_overrides, load_config
 from runtime.engine import Engine
 from runtime.frontend.results import RequestOutput, Results
 from runtime.frontend.signals import Drain
-from runtime.frontend.tokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
+from runtime.frontend.tokenizer import (
+    IncrementalDetokenizer,
+    decode_continuation,
+    eos_token_ids,
+    load_tokenizer,
+    strips_leading_space,
+)
 from runtime.loop import run_until_idle
 from runtime.output import OutputProcessor
 from runtime.sampling_params import SamplingParams
@@ -91,6 +97,7 @@ class LLM:
             # The server gives the step loop its own tokenizer: a fast tokenizer used on two threads fails.
             self.stop_tokenizer = self.tokenizer
             self.eos_ids = eos_token_ids(self.model_dir, self.tokenizer)
+            self.strips_leading_space = strips_leading_space(self.tokenizer)
             e = self.engine
             self.scheduler = Scheduler(
                 cfg.scheduler, e.num_pages, e.page_size, e.max_seq_len, e.dummy_row, cfg.cache.type,
@@ -148,7 +155,7 @@ class LLM:
         stream = unseeded_key(self.cfg.engine.seed, uid if key is None else key)
         req = Req(uid, ids, params, min(params.max_new_tokens, limit - len(ids)), stream=stream)
         if params.stop:
-            req.detok = IncrementalDetokenizer(self.stop_tokenizer)
+            req.detok = IncrementalDetokenizer(self.stop_tokenizer, self.strips_leading_space)
         return req
 
     def make_requests(self, prompt: Prompt, params: SamplingParams, key: object = None) -> list[Req]:
@@ -303,7 +310,8 @@ class LLM:
         return self._next_uid - 1
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
+        """Generated tokens' text (they follow a prompt)."""
+        return decode_continuation(self.tokenizer, token_ids, self.strips_leading_space) if self.tokenizer else ""
 
     def _room(self) -> int:
         """How many more requests the scheduler wants now: free rows (none while pages are short) + slack."""

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from runtime.frontend.tokenizer import decode_continuation, strips_leading_space
 from runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -278,6 +279,7 @@ class TokenText:
         self.tokenizer = tokenizer
         self._cache: dict[int, tuple[str, list[int] | None]] = {}
         self._special = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
+        self.strips_leading_space = strips_leading_space(tokenizer)
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special
@@ -299,7 +301,8 @@ class TokenText:
     def _lookup(self, token_id: int) -> tuple[str, list[int] | None]:
         if self.tokenizer is None:
             return f"token_id:{token_id}", None
-        text = self.tokenizer.decode([token_id])
+        # A generated token's text as it reads after the tokens before it ("▁Paris" is " Paris").
+        text = decode_continuation(self.tokenizer, [token_id], self.strips_leading_space, skip_special_tokens=False)
         vocabulary = getattr(self.tokenizer, "convert_ids_to_tokens", None)
         raw = vocabulary(token_id) if vocabulary is not None else None
         if isinstance(raw, str) and raw:
@@ -385,8 +388,11 @@ def _completion_logprobs(entries: list[dict[str, Any]], k: int, tokens: TokenTex
         if echo is not None and i == prompt_rows:
             offsets.restart(len(echo.text))  # the prompt's text is as sent, not its tokens' bytes
         text, data = _completion_token(tokens, token_id)
-        if i < prompt_rows and tokens.is_special(token_id) and not echo.text.startswith(text, offsets.chars):
-            data = b""
+        if i < prompt_rows and not echo.text.startswith(text, offsets.chars):
+            if tokens.is_special(token_id):
+                data = b""
+            elif text.startswith(" ") and echo.text.startswith(text[1:], offsets.chars):
+                data = data[1:]  # a word-initial token at the start of the text: its space is not there
         if hidden_last and i == len(rows) - 1:
             data = b""
         texts.append(text)

@@ -25,7 +25,7 @@ from runtime.frontend.llm import LLM
 from runtime.frontend.metrics import Metrics
 from runtime.frontend.results import RequestOutput
 from runtime.frontend.serving import Call, Serving
-from runtime.frontend.tokenizer import IncrementalDetokenizer, load_tokenizer
+from runtime.frontend.tokenizer import IncrementalDetokenizer, decode_continuation, load_tokenizer
 from runtime.frontend.tokenizer_api import detokenize_ids, tokenize, tokenizer_info
 from runtime.output import SampleOutput, shown_tokens
 
@@ -52,7 +52,10 @@ class ServerState:
         self.tokens = api.TokenText(self.tokenizer)
 
     def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        """Generated tokens' text (they follow a prompt)."""
+        if self.tokenizer is None:
+            return ""
+        return decode_continuation(self.tokenizer, token_ids, self.tokens.strips_leading_space)
 
 
 STATE = web.AppKey("state", ServerState)
@@ -298,7 +301,9 @@ class _ChoiceStream:
         self.req, self.decode = req, state.decode
         self.echo = echo  # with echo an ending EOS or stop token is listed too (zero width), as vLLM does
         self.hidden_last = False  # the entries sent last end with such a token
-        self.detok = IncrementalDetokenizer(state.tokenizer) if state.tokenizer is not None else None
+        self.detok = None
+        if state.tokenizer is not None:
+            self.detok = IncrementalDetokenizer(state.tokenizer, state.tokens.strips_leading_space)
         params = req.sampling
         self.hidden = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else state.llm.eos_ids)
         # With logprobs and stop strings: where each token's text starts, to hold back its entry with its text.

@@ -39,19 +39,47 @@ def eos_token_ids(model_dir: Path, tokenizer: Any) -> set[int]:
     return ids
 
 
+def strips_leading_space(tokenizer: Any) -> bool:
+    """Whether decoding drops the space a word-initial first token carries, as SentencePiece decoders do
+    ("▁Paris" alone decodes to "Paris"): right at the start of a text, a character short after a prompt. Asked
+    once per tokenizer (it reads the vocabulary)."""
+    vocabulary = getattr(tokenizer, "get_vocab", None)
+    if vocabulary is None:
+        return False
+    for piece, token_id in vocabulary().items():
+        word = piece[1:]
+        if piece.startswith("\u2581") and word.isascii() and word.isalnum():
+            return not tokenizer.decode([token_id]).startswith(" ")
+    return False
+
+
+def decode_continuation(tokenizer: Any, ids: list[int], strips: bool, skip_special_tokens: bool = True) -> str:
+    """The text of generated ``ids``, which follow a prompt: with a tokenizer that ``strips`` a leading space, a
+    word-initial first token keeps it, as decoding prompt and output together gives."""
+    text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    if strips and text and not text.startswith(" "):
+        special = tokenizer.all_special_ids
+        first = next((t for t in ids if t not in special), None)
+        piece = tokenizer.convert_ids_to_tokens(first) if first is not None else None
+        if isinstance(piece, str) and piece.startswith("\u2581"):
+            text = " " + text
+    return text
+
+
 class IncrementalDetokenizer:
     """Text of a growing token list, emitted once characters are complete; decoding a short window keeps each
     step O(window)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, strips: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.strips = strips  # strips_leading_space(tokenizer), asked once by the caller
         self.ids: list[int] = []
         self.prefix = 0
         self.read = 0
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return decode_continuation(self.tokenizer, ids, self.strips)
 
     def push(self, token: int) -> str:
         return self.extend([token])
