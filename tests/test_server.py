@@ -135,7 +135,7 @@ def test_completion_logprobs_keep_apart_the_tokens_of_a_split_character(llm):
     all of them, so the alternatives collapsed into one key); offsets count whole characters."""
     from runtime.frontend.openai_api import TokenText, _completion_logprobs
 
-    tokens = TokenText(llm.tokenizer)
+    tokens = TokenText(llm.tokenizer, llm.strips_leading_space)
     text = "日本の首都は東京です。"
     ids = llm.tokenizer.encode(text, add_special_tokens=False)
     raw = [bytes(tokens(t)[1]) for t in ids]
@@ -161,6 +161,7 @@ def test_a_sentencepiece_token_of_latin_letters_is_text_not_bytes():
     from transformers import PreTrainedTokenizerFast
 
     from runtime.frontend.openai_api import TokenText, _completion_logprobs
+    from runtime.frontend.tokenizer import strips_leading_space
 
     vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
     for piece in ["▁", "é", "ür", "▁caf"]:
@@ -169,7 +170,8 @@ def test_a_sentencepiece_token_of_latin_letters_is_text_not_bytes():
     sp.pre_tokenizer = pre_tokenizers.Metaspace()
     sp.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                     decoders.Strip(" ", 1, 0)])
-    tokens = TokenText(PreTrainedTokenizerFast(tokenizer_object=sp))
+    sp_tokenizer = PreTrainedTokenizerFast(tokenizer_object=sp)
+    tokens = TokenText(sp_tokenizer, strips_leading_space(sp_tokenizer))
     assert tokens(vocab["é"]) == ("é", list("é".encode())) and tokens(vocab["ür"]) == ("ür", list("ür".encode()))
     assert tokens(vocab["<0xE9>"])[1] == [0xE9]
     ids = [vocab["▁caf"], vocab["é"], vocab["<0xC3>"], vocab["<0xBC>"]]  # café, then ü split into its bytes

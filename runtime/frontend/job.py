@@ -246,7 +246,7 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: Todo, out_format:
     else:
         outputs = JsonlAppender(part_path(paths.output, replicas.index), job.fsync_every_s)
     errors = JsonlAppender(part_path(paths.errors, replicas.index), job.fsync_every_s, mode="w")
-    tokens = openai_api.TokenText(llm.tokenizer)
+    tokens = openai_api.TokenText(llm.tokenizer, llm.strips_leading_space)
     model_name = llm.model_dir.name
     counts = {"rows": 0, "errors": 0, "input_tokens": 0, "output_tokens": 0}
     latencies: list[float] = []

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from runtime.frontend.tokenizer import decode_continuation, strips_leading_space
+from runtime.frontend.tokenizer import decode_continuation
 from runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -275,11 +275,11 @@ class TokenText:
 
     _decoder = _byte_decoder()
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, strips_leading_space: bool = False) -> None:
         self.tokenizer = tokenizer
         self._cache: dict[int, tuple[str, list[int] | None]] = {}
         self._special = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
-        self.strips_leading_space = strips_leading_space(tokenizer)
+        self.strips_leading_space = strips_leading_space  # tokenizer.strips_leading_space, asked by the owner
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special

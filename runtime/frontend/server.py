@@ -49,7 +49,7 @@ class ServerState:
     accepting: bool = True
 
     def __post_init__(self) -> None:
-        self.tokens = api.TokenText(self.tokenizer)
+        self.tokens = api.TokenText(self.tokenizer, self.llm.strips_leading_space)
 
     def decode(self, token_ids: list[int]) -> str:
         """Generated tokens' text (they follow a prompt)."""
@@ -123,13 +123,9 @@ def _model_entry(state: ServerState) -> dict[str, Any]:
 
 
 async def _tokenize(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    body = await _json_body(request)
+    state, body = request.app[STATE], await _tokenizer_body(request)
     if isinstance(body, web.Response):
         return body
-    refused = _no_tokenizer(state) or _other_model(state, body)
-    if refused is not None:
-        return refused
     try:  # on the prompts thread, with its tokenizer: a long prompt holds up no other request
         answer = await asyncio.get_running_loop().run_in_executor(state.prompts, tokenize, state.llm.tokenizer, body)
     except api.RequestError as exc:
@@ -141,13 +137,9 @@ async def _tokenize(request: web.Request) -> web.Response:
 
 
 async def _detokenize(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    body = await _json_body(request)
+    state, body = request.app[STATE], await _tokenizer_body(request)
     if isinstance(body, web.Response):
         return body
-    refused = _no_tokenizer(state) or _other_model(state, body)
-    if refused is not None:
-        return refused
     try:
         tokens = detokenize_ids(body, state.llm.model_config.vocab_size)
     except api.RequestError as exc:
@@ -163,6 +155,15 @@ async def _tokenizer_info(request: web.Request) -> web.Response:
     if refused is not None:
         return refused
     return web.json_response(tokenizer_info(state.tokenizer, state.llm.engine.max_seq_len), dumps=_dumps)
+
+
+async def _tokenizer_body(request: web.Request) -> Any:
+    """A /tokenize or /detokenize body, or the response refusing it (no JSON, no tokenizer, another model)."""
+    state, body = request.app[STATE], await _json_body(request)
+    if isinstance(body, web.Response):
+        return body
+    refused = _no_tokenizer(state) or _other_model(state, body)
+    return body if refused is None else refused
 
 
 async def _json_body(request: web.Request) -> Any:
@@ -300,6 +301,7 @@ class _ChoiceStream:
     def __init__(self, state: ServerState, req: Req, echo: bool = False) -> None:
         self.req, self.decode = req, state.decode
         self.echo = echo  # with echo an ending EOS or stop token is listed too (zero width), as vLLM does
+        self.echo_pending = echo  # the prompt goes out with the choice's first token (or its end)
         self.hidden_last = False  # the entries sent last end with such a token
         self.detok = None
         if state.tokenizer is not None:
@@ -375,7 +377,6 @@ async def _stream(request: web.Request, state: ServerState, call: Call, spec: ap
                   created: int, sources: list[Any]) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     choices = [_ChoiceStream(state, r, spec.echo) for r in call.reqs]
-    echo_pending = [spec.echo] * len(choices)  # the prompt goes out with a choice's first token (or its end)
     interval = state.cfg.stream_interval_ms / 1000
     plain = [_text_chunk_template(spec, key, state.model, created, i) for i in range(len(choices))]
     try:
@@ -396,8 +397,8 @@ async def _stream(request: web.Request, state: ServerState, call: Call, spec: ap
                     text, entries, new = "", None, 0
                     reason = "length" if reason else None
                 echo = None
-                if echo_pending[i] and (new or reason) and reason != "abort":
-                    echo, echo_pending[i] = _echo(state, choice.req, sources[i]), False
+                if choice.echo_pending and (new or reason) and reason != "abort":
+                    echo, choice.echo_pending = _echo(state, choice.req, sources[i]), False
                     text = echo.text + text
                 if reason == "abort":  # not a finish reason OpenAI clients know: the stream ends in an error
                     cut = True
