@@ -318,7 +318,7 @@ def test_n_logprobs_stop_and_seed(client, llm):
     assert streamed == cut.choices[0].text and stop not in streamed  # no partial stop string leaked
 
 
-def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(client, llm):
+def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(server, client, llm):
     """lm-evaluation-harness scores a continuation with token-id prompts, echo, max_tokens=1, logprobs=1 and
     temperature 0, then reads token_logprobs[len(context):-1] and compares each with its alternatives' best."""
     encode = llm.tokenizer.encode
@@ -368,7 +368,9 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(client, 
     assert "".join(c.text for c in chunks) == plain.text
     assert [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs] == lp.token_logprobs
 
-    # max_tokens=0: the prompt and its logprobs alone, nothing generated (as the legacy API answered it).
+    # max_tokens=0: the prompt and its logprobs alone, nothing generated (as the legacy API answered it), and
+    # nothing counted as generated.
+    generated = metrics(server)["tpinfer_generation_tokens_total"]
     for stream in (False, True):
         only = dict(model="smol", prompt=[prompts[0]], echo=True, logprobs=0, max_tokens=0)
         if stream:
@@ -385,6 +387,7 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(client, 
         assert text == llm.tokenizer.decode(prompts[0]) and reason == "length"
         assert token_logprobs[1:] == pytest.approx([e["logprob"] for e in ref[0].prompt_logprobs[1:]], abs=1e-5)
         assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompts[0]), 0)
+    assert metrics(server)["tpinfer_generation_tokens_total"] == generated
 
 
 @pytest.mark.slow

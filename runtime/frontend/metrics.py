@@ -53,7 +53,8 @@ class Metrics:
     def _finished(self, call: Call) -> None:
         now = time.monotonic()
         tokens = [len(r.output_ids) for r in call.reqs]
-        self.generated_tokens.inc(sum(tokens))
+        if not call.prompt_only:  # its tokens were dropped, not sent
+            self.generated_tokens.inc(sum(tokens))
         self.prompt_tokens.inc(call.prompt_tokens)
         self.requests.labels("aborted" if call.cut else "finished").inc()
         self.latency.observe(now - call.started)

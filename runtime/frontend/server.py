@@ -232,7 +232,7 @@ async def _complete(request: web.Request, url: str) -> web.StreamResponse:
         state.metrics.rejected.labels("queue_full").inc()
         return _error(503, f"{state.serving.queued} requests are waiting (server.max_queue={state.cfg.max_queue}):"
                            " retry later", "queue_full")
-    call = Call(reqs, prompt_tokens, spec.stream, asyncio.get_running_loop())
+    call = Call(reqs, prompt_tokens, spec.stream, asyncio.get_running_loop(), prompt_only=spec.prompt_only)
     state.serving.submit(call)
     key, created = uuid.uuid4().hex, int(time.time())
     if spec.stream:

@@ -29,6 +29,7 @@ class Call:
     prompt_tokens: int
     stream: bool
     loop: asyncio.AbstractEventLoop
+    prompt_only: bool = False  # echo with max_tokens=0: each request's one token only scored the prompt
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # set on the event loop
     started: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
