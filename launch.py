@@ -289,13 +289,11 @@ def serve_needs_one_replica(cfg: RuntimeConfig, world_size: int) -> int:
 
 def start_ranks(args: argparse.Namespace) -> int:
     """``--nproc-per-node N``: this process becomes the launcher of N ranks running this script."""
-    from parallel.launcher import run_torchrun
+    from parallel.launcher import rank_launch_error, run_torchrun
 
-    if args.nproc_per_node < 1:
-        print(f"error: --nproc-per-node must be at least 1, got {args.nproc_per_node}", file=sys.stderr)
-        return 2
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        print("error: --nproc-per-node starts the ranks itself; under torchrun leave it out", file=sys.stderr)
+    error = rank_launch_error(args.nproc_per_node)
+    if error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
     script_args = [f"--config={c}" for c in args.config or []] + (["serve"] if args.serve else []) + args.overrides
     return run_torchrun(args.nproc_per_node, str(Path(__file__).resolve()), script_args,

@@ -57,6 +57,15 @@ def recorded_exit_codes(folder: str) -> dict[int, int]:
     return codes
 
 
+def rank_launch_error(nproc_per_node: int) -> str | None:
+    """Why ``--nproc-per-node N`` cannot start N ranks from here, or None."""
+    if nproc_per_node < 1:
+        return f"--nproc-per-node must be at least 1, got {nproc_per_node}"
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return "--nproc-per-node starts the ranks itself; under torchrun leave it out"
+    return None
+
+
 def run_torchrun(nproc_per_node: int, script: str, script_args: list[str], stopped_code: int | None = None) -> int:
     """After a SIGTERM, SIGINT or SIGUSR1 passed on to the ranks, their own exit code (0: a job done while draining)
     when every rank left one, else ``stopped_code`` (default 143: a job drained, resumable; a server is meant to

@@ -183,13 +183,11 @@ def build_sweep(args: argparse.Namespace) -> Sweep:
 
 
 def start_ranks(args: argparse.Namespace, script: str | None) -> int:
-    from parallel.launcher import run_torchrun
+    from parallel.launcher import rank_launch_error, run_torchrun
 
-    if args.nproc_per_node < 1:
-        print(f"error: --nproc-per-node must be at least 1, got {args.nproc_per_node}", file=sys.stderr)
-        return 2
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        print("error: --nproc-per-node starts the ranks itself; under torchrun leave it out", file=sys.stderr)
+    error = rank_launch_error(args.nproc_per_node)
+    if error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
     if script is None:
         print("error: --nproc-per-node needs the launcher: python launch.py --nproc-per-node N ...", file=sys.stderr)
