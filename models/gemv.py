@@ -131,7 +131,7 @@ if triton is not None:
 
     @triton.jit
     def _f16x2_dot_emulated(mul_lo, mul_hi, fma_lo, fma_hi, xa, xb):
-        """What ``mul.rn.f16x2 p, m, xa; fma.rn.f16x2 p, f, xb, p`` and the halves' float32 sum give, for the
+        """What ``mul.rn.f16x2 p, m, xa; fma.rn.f16x2 p, f, xb, p`` and the halves' f16 sum give, for the
         weights' f16 lanes given as float32 values (m = mul_lo | mul_hi, f = fma_lo | fma_hi) and x as int32 f16
         pairs: each product and sum rounded to f16 where the PTX rounds (an FMA's once)."""
         a = xa.to(tl.uint32, bitcast=True)
@@ -140,13 +140,13 @@ if triton is not None:
         high = (mul_hi * _f16_half(a, 1)).to(tl.float16).to(tl.float32)
         low = (fma_lo * _f16_half(b, 0) + low).to(tl.float16).to(tl.float32)
         high = (fma_hi * _f16_half(b, 1) + high).to(tl.float16).to(tl.float32)
-        return low + high
+        return (low + high).to(tl.float16).to(tl.float32)
 
     @triton.jit
     def _dot4_e4m3(w, x01, x23, INTERPRET: tl.constexpr):
         """The four e4m3 weights of int32 ``w`` times x packed in f16 pairs: products in f16x2 (two summed per half),
-        the halves added in float32. One conversion and two half-precision ops per pair of weights, where
-        converting each weight to float32 costs two conversions and two FMAs."""
+        the halves added in f16 and widened once. Three conversions for four weights, where converting each weight
+        to float32 costs four, and Hopper converts at a quarter of its FMA rate."""
         if INTERPRET:  # the interpreter runs no PTX: the same sums by integer ops
             wu = w.to(tl.uint32, bitcast=True)
             return _f16x2_dot_emulated(_e4m3_byte(wu, 0), _e4m3_byte(wu, 1), _e4m3_byte(wu, 2), _e4m3_byte(wu, 3),
@@ -155,16 +155,14 @@ if triton is not None:
             """{
             .reg .b16 w01, w23, s0, s1;
             .reg .b32 h01, h23, p;
-            .reg .f32 f0, f1;
             mov.b32 {w01, w23}, $1;
             cvt.rn.f16x2.e4m3x2 h01, w01;
             cvt.rn.f16x2.e4m3x2 h23, w23;
             mul.rn.f16x2 p, h01, $2;
             fma.rn.f16x2 p, h23, $3, p;
             mov.b32 {s0, s1}, p;
-            cvt.f32.f16 f0, s0;
-            cvt.f32.f16 f1, s1;
-            add.f32 $0, f0, f1;
+            add.rn.f16 s0, s0, s1;
+            cvt.f32.f16 $0, s0;
             }""",
             "=f,r,r,r", [w, x01, x23], dtype=tl.float32, is_pure=True, pack=1)
 
@@ -184,7 +182,6 @@ if triton is not None:
             """{
             .reg .b32 t, e, o, p;
             .reg .b16 s0, s1;
-            .reg .f32 f0, f1;
             shl.b32 t, $1, 8;
             and.b32 t, t, 0x80008000;
             shl.b32 e, $1, 7;
@@ -197,9 +194,8 @@ if triton is not None:
             mul.rn.f16x2 p, e, $2;
             fma.rn.f16x2 p, o, $3, p;
             mov.b32 {s0, s1}, p;
-            cvt.f32.f16 f0, s0;
-            cvt.f32.f16 f1, s1;
-            add.f32 $0, f0, f1;
+            add.rn.f16 s0, s0, s1;
+            cvt.f32.f16 $0, s0;
             }""",
             "=f,r,r,r", [w, x02, x13], dtype=tl.float32, is_pure=True, pack=1)
 
@@ -283,12 +279,13 @@ def use_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-# Products enter f16 scaled by 2^-8 (x scaled, or with E4M3_BY_BITS the widened weights): a half sums two,
-# finite while |x * norm weight| < 65504 * 256 / 448 / 2, about 18,700 (a bf16 residual that large is already
-# broken); x scaled in f16 loses bits below 2^-6, the products below ~2^-16, not the sum.
-E4M3_X_SCALE = 1.0 / 256
+# Products enter f16 scaled by 2^-9 (x by 2^-9, or with E4M3_BY_BITS by 1/2 times the widened weights' 2^-8): four
+# are summed in f16, finite while |x * norm weight| < 65504 * 512 / 448 / 4, about 18,700 (a bf16 residual that
+# large is already broken); x scaled in f16 loses bits below 2^-5, the products below ~2^-15, not the sum.
+E4M3_X_SCALE = 1.0 / 512
+E4M3_BITS_X_SCALE = 0.5
 # Widen e4m3 to f16 by integer ops (``_dot4_e4m3_bits``) instead of conversion instructions: the same products
-# wherever |x| >= 2^-6. Off: 2% slower on an H100's one-request step, where the layers are DRAM-bound; for the
+# wherever |x| >= 2^-5. Off: 5% slower on an H100's one-request step, where the layers are DRAM-bound; for the
 # H200, whose FP8 layers are bound by conversions, measure it (scripts/bench_gemv.py --fp8 --widening both).
 E4M3_BY_BITS = False
 
@@ -335,7 +332,7 @@ def _launch(
             x, weight.view(torch.int32), scale, bias if bias is not None else scale,
             norm if norm is not None else scale, out, eps, N=n, K=k, BLOCK_N=block_n, BLOCK_K=block_k,
             NORM=norm is not None, SILU=silu, ADD=add, HAS_BIAS=bias is not None, PDL=pdl,
-            X_SCALE=1.0 if E4M3_BY_BITS else E4M3_X_SCALE, PRODUCT_SCALE=E4M3_X_SCALE, BITS=E4M3_BY_BITS,
+            X_SCALE=E4M3_BITS_X_SCALE if E4M3_BY_BITS else E4M3_X_SCALE, PRODUCT_SCALE=E4M3_X_SCALE, BITS=E4M3_BY_BITS,
             INTERPRET=INTERPRET, launch_pdl=pdl, num_warps=warps, num_stages=stages,
         )
         return
