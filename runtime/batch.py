@@ -105,7 +105,7 @@ class Req:
         sibling = Req(uid, self.prompt_ids, self.sampling, self.max_new_tokens, stream=self.stream,
                       index=self.index, sample_index=sample_index, leader=self)
         if self.detok is not None:
-            sibling.detok = type(self.detok)(self.detok.tokenizer)
+            sibling.detok = type(self.detok)(self.detok.tokenizer, self.detok.strips)
         return sibling
 
     @property

@@ -107,4 +107,12 @@ def test_generated_text_keeps_the_space_a_sentencepiece_decoder_strips(tmp_path:
             streamed.push(token)
         assert streamed.text == out.text
     assert any(out.text.startswith(" ") and "\ufffd" not in out.text for out in outs)  # the case is met
+    # Every sample of a request sees the space: a stop string that starts with it cuts each one alike.
+    prompt, out = next((p, o) for p, o in zip(prompts, outs)
+                       if o.text.startswith(" ") and "\ufffd" not in o.text and len(o.text.split()) >= 3)
+    words = out.text.split()
+    for stop, kept in ((" " + words[0], ""), (" " + words[2], " " + " ".join(words[:2]))):
+        samples = llm.generate(prompt, SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True, n=3,
+                                                      stop=[stop]))[0].outputs
+        assert [(s.text, s.finish_reason) for s in samples] == [(kept, "stop")] * 3, (prompt, stop)
     llm.shutdown()
