@@ -17,6 +17,13 @@ FAMILIES: dict[str, dict[str, bool]] = {
     "MixtralForCausalLM": {"moe": True},
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+# The config.json bias switches each family's transformers class reads; the others fix their biases in code
+# (Qwen2: on q, k and v; Mistral, Mixtral: none), so a stray "attention_bias": true must not ask for tensors.
+_BIAS_KEYS: dict[str, tuple[str, ...]] = {
+    "LlamaForCausalLM": ("attention_bias", "mlp_bias"),
+    "Qwen3ForCausalLM": ("attention_bias",),
+    "Qwen3MoeForCausalLM": ("attention_bias",),
+}
 # transformers' values for keys a config.json may leave out, where a family's differ from Llama's.
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"max_position_embeddings": 2048},
@@ -156,8 +163,8 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            attention_bias="attention_bias" in _BIAS_KEYS.get(arch, ()) and bool(cfg.get("attention_bias", False)),
+            mlp_bias="mlp_bias" in _BIAS_KEYS.get(arch, ()) and bool(cfg.get("mlp_bias", False)),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
             architecture=arch,
             sliding_window=window,

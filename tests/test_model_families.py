@@ -204,6 +204,41 @@ def test_keys_a_config_leaves_out_take_transformers_defaults_for_its_family():
         ModelConfig.from_dict({**bare, "num_hidden_layers": 2, "architectures": ["MistralForCausalLM"]}).max_seq_len(8192)
 
 
+@pytest.mark.parametrize("arch,model_type", [
+    ("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistral"), ("MixtralForCausalLM", "mixtral"),
+    ("Qwen2ForCausalLM", "qwen2"), ("Qwen3ForCausalLM", "qwen3"), ("Qwen3MoeForCausalLM", "qwen3_moe")])
+def test_biases_are_the_ones_transformers_builds_whatever_the_config_switches_say(arch, model_type):
+    """Some families read attention_bias / mlp_bias, others fix their biases in code and ignore the keys: a
+    config.json that sets both must ask for exactly the bias tensors transformers' class has."""
+    import transformers
+    from transformers import AutoConfig
+
+    from models.config import ModelConfig
+    from models.llama import LlamaForCausalLM
+
+    cfg = {**COMMON, "architectures": [arch], "model_type": model_type, "attention_bias": True, "mlp_bias": True,
+           "sliding_window": None}
+    if model_type == "qwen3_moe":
+        cfg["mlp_only_layers"] = [0]  # one dense MLP layer, whose projections could carry biases
+    with torch.device("meta"):
+        theirs = getattr(transformers, arch)(AutoConfig.for_model(**cfg))
+        ours = LlamaForCausalLM(ModelConfig.from_dict(cfg))
+    # Our fused projections stand for theirs: qkv_proj for q/k/v, gate_up_proj for gate/up.
+    fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+             "up_proj": "gate_up_proj"}
+
+    def biases(names: list[str]) -> set[str]:
+        out = set()
+        for name in names:
+            if name.endswith(".bias") and ".experts." not in name:
+                module = name.split(".")[-2]
+                out.add(name.replace(f".{module}.", f".{fused.get(module, module)}."))
+        return out
+    expected = biases([n for n, _ in theirs.named_parameters()])
+    assert biases([n for n, _ in ours.named_parameters()]) == expected
+    assert any("self_attn" in n for n in expected) == (model_type in ("llama", "qwen2", "qwen3", "qwen3_moe"))
+
+
 def test_a_sliding_window_no_shorter_than_max_seq_len_serves_hfs_logits(tmp_path):
     """Within its window a sliding window masks nothing: served as dense attention, refused only past it."""
     from transformers import MistralConfig, MistralForCausalLM
