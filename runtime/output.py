@@ -33,17 +33,18 @@ class SampleOutput:
 
 def shown_tokens(req: Req, decode: Callable[[list[int]], str]) -> int:
     """How many leading output tokens the text shows: not a hidden EOS or stop token, and where a stop string cut
-    the text, the tokens that start before the cut (found by decoding prefixes: only such requests pay)."""
+    the text, the fewest tokens that spell it (found by decoding prefixes: only such requests pay). A token that
+    finishes a character begun before the cut counts, though its prefix alone decodes that character as U+FFFD."""
     ids = req.text_ids
     if req.text is None:
         return len(ids)
-    cut, lo, hi = len(req.text), 0, len(ids)
-    while lo < hi:  # the most tokens k whose last one starts before the cut
-        k = (lo + hi + 1) // 2
-        if len(decode(ids[: k - 1])) < cut:
-            lo = k
+    text, lo, hi = req.text, 0, len(ids)
+    while lo < hi:  # the fewest tokens k whose text starts with the cut text
+        k = (lo + hi) // 2
+        if decode(ids[:k]).startswith(text):
+            hi = k
         else:
-            hi = k - 1
+            lo = k + 1
     return lo
 
 

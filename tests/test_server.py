@@ -448,6 +448,20 @@ def test_logprobs_list_the_tokens_the_text_shows(client, llm):
     assert cut_tokens == tokens[: len(cut_tokens)]
     assert chat(stream=True, stop=[stop]) == (cut_text, cut_tokens)
 
+    # Several choices wake one stream together: an entry held back with its text must still go out once the text
+    # does, whichever choice's token woke the stream.
+    asked = dict(model="smol", prompt="The capital of France is", n=3, logprobs=1, **greedy(6))
+    first = client.completions.create(**asked).choices[0].logprobs.tokens[0]
+    asked["stop"] = [first + "\u2603"]  # the first token's text is held until the next token shows it is no stop
+    plain = [(c.text, c.logprobs.tokens, c.logprobs.text_offset) for c in client.completions.create(**asked).choices]
+    streamed = [("", [], []) for _ in plain]
+    for chunk in client.completions.create(stream=True, **asked):
+        for c in chunk.choices:
+            text, tokens, offsets = streamed[c.index]
+            lp = c.logprobs
+            streamed[c.index] = (text + c.text, tokens + (lp.tokens if lp else []), offsets + (lp.text_offset if lp else []))
+    assert streamed == plain and all(p[1][0] == first for p in plain)
+
 
 @pytest.mark.slow
 def test_a_long_prompt_being_tokenized_holds_up_no_other_request(server):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -116,3 +117,18 @@ def test_generated_text_keeps_the_space_a_sentencepiece_decoder_strips(tmp_path:
                                                       stop=[stop]))[0].outputs
         assert [(s.text, s.finish_reason) for s in samples] == [(kept, "stop")] * 3, (prompt, stop)
     llm.shutdown()
+
+
+def test_logprobs_list_a_token_that_finishes_a_character_before_a_stop_strings_cut(default_model_dir: Path):
+    """A stop string cut right after a character whose bytes span two tokens: both tokens spell the text."""
+    from types import SimpleNamespace
+
+    from runtime.output import shown_tokens
+
+    tok = tokenizer.load_tokenizer(default_model_dir)
+    wide = tok.encode("\uff15", add_special_tokens=False)  # a fullwidth digit five: 3 UTF-8 bytes
+    assert len(wide) >= 2 and "\ufffd" in tok.decode(wide[:1])  # the case is met: its first token alone is no character
+    ids = wide + tok.encode("\nmore", add_special_tokens=False)
+    decode = functools.partial(tok.decode, skip_special_tokens=True)
+    for text, shown in (("\uff15", len(wide)), ("", 0), ("\uff15\n", len(wide) + 1)):
+        assert shown_tokens(SimpleNamespace(text_ids=ids, text=text), decode) == shown, text

@@ -323,7 +323,8 @@ class _ChoiceStream:
             count -= 1  # an EOS or stop token whose finish is being set: its text is never output
         new = req.output_ids[self.tokens_sent : count]
         self.tokens_sent = count
-        shown = count
+        # Woken with no token of its own (a sibling's or another prompt's token), held entries stay held.
+        shown = count if self.starts is None else self.entries_sent
         if reason is not None:
             self.done = True
             text = (req.text if req.text is not None else self.decode(req.text_ids))[self.chars_sent :]
@@ -405,7 +406,7 @@ async def _stream(request: web.Request, state: ServerState, call: Call, spec: ap
                 elif reason is None and not entries and new and echo is None:
                     head, tail = plain[i]
                     out += head + _dumps(text).encode() + tail
-                elif new or reason or echo is not None:
+                elif new or reason or echo is not None or entries:
                     piece = api.chunk_choice(spec, i, text, reason, entries, state.tokens, choice.offsets, echo=echo,
                                              hidden_last=choice.hidden_last)
                     out += _event(api.chunk(spec, key, state.model, created, [piece]))
