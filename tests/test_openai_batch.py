@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -125,18 +126,28 @@ def test_bad_lines_get_their_own_codes():
     assert url.value.code == "invalid_url" and "/v1/embeddings" in str(url.value)
 
 
-def test_mixed_rows_are_rejected_at_the_first_mixed_row(tmp_path):
+def test_a_row_of_the_other_kind_is_an_error_row_and_the_rows_after_it_are_served(tmp_path):
     native = json.dumps({"id": 1, "prompt": "x"})
     batch = json.dumps(_line("a", COMPLETIONS, prompt="x"))
     path = tmp_path / "rows.jsonl"
-    path.write_text("\n".join(["{not json", native, "", batch, native]) + "\n")
-    with pytest.raises(InputError, match=r"rows.jsonl:4 is an OpenAI batch line .* in a file of native rows"):
-        list(read_rows(path, DEFAULTS, chat_template=False, fmt="auto"))
+    path.write_text("\n".join(["{not json", native, "", batch, native.replace("1", "2")]) + "\n")
+    rows = list(read_rows(path, DEFAULTS, chat_template=False, fmt="auto"))
+    assert [(r.line, r.id, r.error is None) for r in rows] == [(1, None, False), (2, 1, True), (4, None, False),
+                                                               (5, 2, True)]
+    assert re.search(r"rows.jsonl:4 is an OpenAI batch line .* in a file of native rows \(as its first row says\)",
+                     rows[2].error)
     path.write_text("\n".join([batch, batch.replace('"a"', '"b"'), native]) + "\n")
-    with pytest.raises(InputError, match=r"rows.jsonl:3 is a native row .* in a file of OpenAI batch lines"):
-        list(read_rows(path, DEFAULTS, chat_template=False, fmt="auto"))
+    rows = list(read_rows(path, DEFAULTS, chat_template=False, fmt="openai"))
+    assert [(r.id, r.error is None) for r in rows] == [("a", True), ("b", True), (None, False)]
+    assert re.search(r"rows.jsonl:3 is a native row .* in a file of OpenAI batch lines \(job.format=openai\)",
+                     rows[2].error)
+    # A native row that carries a custom_id of its own and misspells its prompt: the error names the key.
+    path.write_text("\n".join([native, json.dumps({"id": 3, "promt": "x", "custom_id": "c"})]) + "\n")
+    rows = list(read_rows(path, DEFAULTS, chat_template=False, fmt="auto"))
+    assert rows[1].id == 3 and "unknown key 'promt' (did you mean 'prompt'?)" in rows[1].error
+    # A forced format the file's first row contradicts stops the job before any row is read.
     path.write_text(native + "\n")
-    with pytest.raises(InputError, match=r"rows.jsonl:1 is a native row .*job.format=openai"):
+    with pytest.raises(InputError, match=r"rows.jsonl: its first row is a native row .*job.format=openai"):
         list(read_rows(path, DEFAULTS, chat_template=False, fmt="openai"))
 
 

@@ -224,6 +224,18 @@ def test_csv_columns_are_read_as_written(tmp_path):
     assert rows[0].keep == {"tag": "007"} and rows[-1].keep == {"tag": "abc"}
 
 
+def test_a_csv_cell_that_is_not_utf8_or_a_blank_id_fails_its_row_alone(tmp_path):
+    path = tmp_path / "in.csv"
+    path.write_bytes(b"id,prompt,tag\n1,fine,a\n2,caf\xe9,b\n,no id,c\n3,also fine,\xff\n4,last,d\n")
+    rows = list(TableInput(path, "csv", _columns(keep=["tag"])).rows(llm_defaults(), chat_template=False))
+    assert [(r.id, r.prompt, r.keep) for r in rows if r.error is None] == [("1", "fine", {"tag": "a"}),
+                                                                          ("4", "last", {"tag": "d"})]
+    assert [r.error for r in rows if r.error is not None] == [
+        "row 1: column 'prompt' is not valid UTF-8 (byte 0xe9 at byte 4)",
+        "row 2: column 'id' holds no usable id (a non-blank string or an integer): ''",
+        "row 3: column 'tag' is not valid UTF-8 (byte 0xff at byte 1)"]
+
+
 def test_a_quote_never_swallows_the_rows_after_it(tmp_path):
     """A TSV has no quoting: a field starting with '"' is text. A CSV keeps RFC 4180 quoting (a quoted field may
     hold newlines and doubled quotes), and one whose quoted field is never closed, which pyarrow would read to the

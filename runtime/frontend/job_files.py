@@ -164,9 +164,9 @@ def _beside(out: Path, suffix: str) -> Path:
 
 
 def read_rows(path: Path, defaults: SamplingParams, chat_template: bool, fmt: str = "native") -> Iterator[JobRow]:
-    """The rows of a JSONL input in order; one file holds one kind (native or openai): a row of the other kind
-    raises InputError."""
-    kind = jsonl_format(path) if fmt == "auto" else fmt
+    """The rows of a JSONL input in order; one file holds one kind (native or openai, ``fmt``: job.format): a
+    row of the other kind is an error row, so the rows after it are still served."""
+    kind = jsonl_format(path, fmt)
     seen: set[str] = set()
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, 1):
@@ -187,10 +187,14 @@ def read_rows(path: Path, defaults: SamplingParams, chat_template: bool, fmt: st
                              code="invalid_json")
                 continue
             found = row_kind(obj, kind)
+            if found == "openai" and kind == "native" and "id" in obj:
+                found = kind  # a native row with an OpenAI key of its own and a misspelt prompt: say which key
             if found is not None and found != kind:
-                raise InputError(f"{path}:{line_no} is {_KIND_NAMES[found]} in a file of {_KIND_PLURALS[kind]} "
-                                 f"({'job.format=' + fmt if fmt != 'auto' else 'as its first row says'}); "
-                                 "a file holds one kind of row")
+                yield JobRow(line_no, None, code="invalid_request",
+                             error=f"{path}:{line_no} is {_KIND_NAMES[found]} in a file of {_KIND_PLURALS[kind]} "
+                                   f"({'job.format=' + fmt if fmt != 'auto' else 'as its first row says'}); "
+                                   "a file holds one kind of row")
+                continue
             if kind == "openai":
                 yield _openai_row(obj, line_no, defaults, seen)
             else:
@@ -254,7 +258,8 @@ def _salvage_custom_id(raw: bytes) -> str | None:
 
 
 def normalize_id(value: Any) -> str | int | None:
-    if isinstance(value, bool):
+    """A row's id as written, or None where it holds none: not a bool, nor a blank string (a CSV's empty cell)."""
+    if isinstance(value, bool) or (isinstance(value, str) and not value.strip()):
         return None
     if isinstance(value, float) and value.is_integer():
         return int(value)
@@ -294,7 +299,7 @@ def _native_row(row: Any, line_no: int, defaults: SamplingParams, chat_template:
         return JobRow(line_no, None, error=f"line {line_no} must be a JSON object")
     row_id = normalize_id(row.get("id"))
     if row_id is None:
-        return JobRow(line_no, None, error=f"line {line_no} has no usable 'id' (a string or an integer): {row.get('id')!r}")
+        return JobRow(line_no, None, error=f"line {line_no} has no usable 'id' (a non-blank string or an integer): {row.get('id')!r}")
     key = json.dumps(row_id)
     if key in seen:
         return JobRow(line_no, row_id, error=f"line {line_no}: duplicate id {row_id!r}")

@@ -54,7 +54,7 @@ def open_input(path: Path, job: Any, defaults: SamplingParams) -> JobInput:
                 raise InputError(f"job.columns.{name}={shown!r} applies to table inputs (Parquet, CSV, Arrow, "
                                  f"datasets); job.input={path} is JSONL, whose rows are {{id, prompt | messages}}")
         fmt = jsonl_format(path, job.format)
-        return JobInput(path, fmt, lambda: read_rows(path, defaults, job.chat_template, fmt))
+        return JobInput(path, fmt, lambda: read_rows(path, defaults, job.chat_template, job.format))
     if job.format != "auto":
         raise InputError(f"job.format={job.format} applies to JSONL inputs; job.input={path} is a table ({kind})")
     from runtime.frontend.tables import TableInput

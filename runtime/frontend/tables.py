@@ -216,9 +216,9 @@ class TableInput:
         if self.kind == "parquet":
             yield from pq.ParquetFile(file).iter_batches(batch_size=BATCH_ROWS, columns=wanted)
         elif self.kind == "csv":
-            text = dict.fromkeys(wanted, pa.string())
+            cells = dict.fromkeys(wanted, pa.binary())
             yield from pa_csv.open_csv(file, parse_options=self._csv_parse(),
-                                       convert_options=pa_csv.ConvertOptions(include_columns=wanted, column_types=text))
+                                       convert_options=pa_csv.ConvertOptions(include_columns=wanted, column_types=cells))
         else:
             reader = self._open_arrow(file)
             batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) \
@@ -233,13 +233,17 @@ class TableInput:
         number = 0
         for batch in self.batches():
             size = batch.num_rows
-            ids = batch.column(c.id).to_pylist() if c.id else range(number, number + size)
-            prompts = batch.column(c.prompt or c.messages).to_pylist()
-            kept = [batch.column(name).to_pylist() for name in c.keep]
+            columns = {name: batch.column(name).to_pylist() for name in self.wanted}
+            errors = _decode_csv_cells(columns, number) if self.kind == "csv" else [None] * size
+            ids = columns[c.id] if c.id else range(number, number + size)
+            prompts = columns[c.prompt or c.messages]
             for i in range(size):
+                if errors[i] is not None:
+                    yield JobRow(number + i, None, error=errors[i])
+                    continue
                 row = self._row(number + i, ids[i], prompts[i], defaults, chat_template, seen)
-                if kept:
-                    row.keep = {name: values[i] for name, values in zip(c.keep, kept)}
+                if c.keep:
+                    row.keep = {name: columns[name][i] for name in c.keep}
                 yield row
             number += size
 
@@ -248,8 +252,8 @@ class TableInput:
         c = self.columns
         row_id = normalize_id(raw_id)
         if row_id is None:
-            return JobRow(number, None, error=f"row {number}: column {c.id!r} holds no usable id (a string or an "
-                                              f"integer): {raw_id!r}")
+            return JobRow(number, None, error=f"row {number}: column {c.id!r} holds no usable id (a non-blank string or "
+                                              f"an integer): {raw_id!r}")
         key = json.dumps(row_id)
         if key in seen:
             return JobRow(number, row_id, error=f"row {number}: duplicate id {row_id!r}")
@@ -261,6 +265,20 @@ class TableInput:
         if isinstance(prompt, str) and chat_template:
             prompt = [{"role": "user", "content": prompt}]
         return JobRow(number, row_id, prompt=prompt, sampling=defaults)
+
+
+def _decode_csv_cells(columns: dict[str, list[Any]], first: int) -> list[str | None]:
+    """CSV cells come as bytes: decoded in place, so one bad byte is its row's error, not the whole file's. Each
+    row's error (None if it has none) names its first cell that is not UTF-8."""
+    errors: list[str | None] = [None] * len(next(iter(columns.values()), []))
+    for name, cells in columns.items():
+        for i, cell in enumerate(cells):
+            try:
+                cells[i] = cell.decode()
+            except UnicodeDecodeError as exc:
+                errors[i] = errors[i] or (f"row {first + i}: column {name!r} is not valid UTF-8 (byte "
+                                          f"0x{cell[exc.start]:02x} at byte {exc.start + 1})")
+    return errors
 
 
 _QUOTED = re.compile(rb'"[^"]*(?:""[^"]*)*"(?!")')  # a closed quoted CSV field ("" is a quote inside it)
