@@ -444,6 +444,22 @@ def test_a_tied_config_takes_the_checkpoints_own_lm_head_where_hf_does(tmp_path,
         assert relative_error(ours, theirs) <= 1e-5
 
 
+def test_a_tied_checkpoint_holding_only_its_lm_head_loads_as_hf_loads_it(tmp_path):
+    from safetensors import safe_open
+
+    path = _tied_config_with_its_own_head(tmp_path, VOCAB)
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        shared = f.get_tensor("lm_head.weight")
+    _edit_checkpoint(path, ["model.embed_tokens.weight"], {})
+    prompts = _prompts(10)
+    hf_tied, ref = _hf_logits(path, prompts)
+    engine = make_engine(path)
+    assert hf_tied and engine.model.lm_head.weight is engine.model.model.embed_tokens.weight
+    assert torch.equal(engine.model.model.embed_tokens.weight, shared)
+    for ours, theirs in zip(prefill_logits(engine, prompts), ref):
+        assert relative_error(ours, theirs) <= 1e-5
+
+
 def _tie_and_logits(rank: int, path: str, prompts: list[list[int]]) -> tuple[bool, list[torch.Tensor]]:
     engine = make_engine(path, "cache.page_size=4")
     return engine.model.config.tie_word_embeddings, prefill_logits(engine, prompts)

@@ -116,6 +116,7 @@ def load_model(
         files = checkpoint_files(path)
         # Checked from the headers, so a mismatched checkpoint fails before any allocation, in one message.
         index = checkpoint_index(files)
+        tied_head_as_embedding(index, cfg)
         cfg = untie_distinct_lm_head(path, index, cfg)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, kernels)
@@ -170,6 +171,13 @@ def checkpoint_index(files: list[Path]) -> dict[str, TensorInfo]:
                 tensor = f.get_slice(stored)
                 index[name] = TensorInfo(file.name, tuple(tensor.get_shape()), tensor.get_dtype(), stored)
     return index
+
+
+def tied_head_as_embedding(index: dict[str, TensorInfo], cfg: ModelConfig) -> None:
+    """A tied checkpoint that stores the shared matrix as lm_head.weight alone: transformers ties the embedding
+    to it, and so do we (the embedding reads that tensor)."""
+    if cfg.tie_word_embeddings and "lm_head.weight" in index and "model.embed_tokens.weight" not in index:
+        index["model.embed_tokens.weight"] = index.pop("lm_head.weight")
 
 
 def untie_distinct_lm_head(path: Path, index: dict[str, TensorInfo], cfg: ModelConfig) -> ModelConfig:
