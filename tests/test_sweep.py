@@ -363,6 +363,10 @@ def test_the_shorthand_makes_a_grid_of_comma_lists(model_dir, rows, tmp_path):
     assert names == ["temperature=0.0,page_size=8", "temperature=0.5,page_size=8",
                      "temperature=0.0,page_size=16", "temperature=0.5,page_size=16"]  # grouped by engine
     assert shorthand_sweep([], ["a=1,2"]).out == shorthand_sweep([], ["a=1,2"]).out  # a rerun finds its folder
+    # ... whatever the order of its overrides, and with keys a rerun may change (progress, log level) changed.
+    same = shorthand_sweep([], ["a=1,2", "b=3", "c=4", "job.progress=false"]).out
+    assert same == shorthand_sweep([], ["c=4", "a=1,2", "logging.level=DEBUG", "b=3"]).out
+    assert same != shorthand_sweep([], ["a=1,2", "b=3", "c=5"]).out
 
 
 def test_split_top_level_keeps_lists_and_quotes_whole():
@@ -383,6 +387,14 @@ def test_a_folder_of_another_config_is_not_resumed(model_dir, rows, tmp_path, ca
     assert sweep.main(["--sweep-file", str(file), "sampling.max_new_tokens=7"]) == 2
     err = capsys.readouterr().err
     assert "holds a run of another config (keys that differ: sampling.max_new_tokens)" in err
+    # Nor collected as this config's results: the table of the config that ran stays as it was.
+    table = (tmp_path / "out" / "results.csv").read_text()
+    assert sweep.main(["--sweep-file", str(file), "sampling.max_new_tokens=7", "--collect"]) == 2
+    assert "holds a run of another config" in capsys.readouterr().err
+    assert (tmp_path / "out" / "results.csv").read_text() == table
+    # A results folder that cannot be written is an error naming it, not a traceback.
+    assert sweep.main(["--sweep-file", str(file), "--out", str(file), "--collect"]) == 2
+    assert f"error: --collect: cannot write the results in {file}" in capsys.readouterr().err
 
 
 def test_list_and_one_run_as_an_array_task(model_dir, rows, tmp_path, capsys):

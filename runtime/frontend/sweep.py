@@ -121,14 +121,18 @@ def main(argv: list[str], script: str | None = None, configure_threads: Callable
         runs = plan_runs(sweep)
         if args.only_run is not None and not 1 <= args.only_run <= len(runs):
             raise ConfigError(f"--only-run {args.only_run}: the sweep has runs 1 to {len(runs)}")
-        if not args.collect:
-            for run in runs:
-                check_resumable(run)
+        for run in runs:  # --collect too: another config's results must not be reported as this sweep's
+            check_resumable(run)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.collect:
-        for path in write_results(sweep, runs):
+        try:
+            paths = write_results(sweep, runs)
+        except OSError as exc:
+            print(f"error: --collect: cannot write the results in {sweep.out}: {exc}", file=sys.stderr)
+            return 2
+        for path in paths:
             print(path)
         return 0
     if args.list:

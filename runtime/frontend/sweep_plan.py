@@ -169,8 +169,9 @@ def shorthand_sweep(configs: list[str], items: list[str], out: str | None = None
             grid[key] = values
         else:
             overrides.append(item)
-    if out is None:  # the same command gets the same folder, so a rerun resumes
-        digest = hashlib.sha256(json.dumps([configs, overrides, grid]).encode()).hexdigest()[:8]
+    if out is None:  # the same command gets the same folder, so a rerun resumes (in any order of its overrides)
+        same = sorted(o for o in overrides if o.partition("=")[0].lstrip("+~") not in NOT_IDENTITY)
+        digest = hashlib.sha256(json.dumps([configs, same, grid], sort_keys=True).encode()).hexdigest()[:8]
         out = f"outputs/sweep-{digest}"
     return Sweep(source="--sweep", base=list(configs), overrides=overrides, grid=grid, zip={}, out=Path(out), name=name)
 
