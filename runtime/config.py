@@ -8,8 +8,10 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass, make_da
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from omegaconf import DictConfig, OmegaConf
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from omegaconf.nodes import StringNode
 
 from runtime.sampling_params import SamplingParams
 
@@ -216,6 +218,37 @@ def _explain(exc: OmegaConfBaseException, schema: DictConfig, source: str) -> Co
     return ConfigError(f"{source}: invalid value for config key '{key}': {msg}")
 
 
+_NULLS = ("null", "Null", "NULL", "~")
+
+
+def _written(text: str) -> Any:
+    """YAML with every scalar read as the string written (None where that reading fails: nothing to restore)."""
+    try:
+        return yaml.load(text, Loader=yaml.BaseLoader)
+    except yaml.YAMLError:
+        return None
+
+
+def _text_as_written(layer: DictConfig, written: Any, schema: DictConfig) -> None:
+    """Keys that hold text (str, a list of str) take it as written (``written``: YAML read with every scalar a
+    string): YAML 1.1 reads ``no`` as False, ``012`` as 10 and ``1_0`` as 10, which omegaconf would then store as
+    the text 'False' or '10', so an API key or a stop string would silently be another one."""
+    if not isinstance(written, dict):
+        return
+    for key, text in written.items():
+        if not isinstance(key, str) or key not in schema or key not in layer:
+            continue
+        node = schema._get_node(key)
+        if isinstance(node, DictConfig):
+            if isinstance(text, dict) and isinstance(layer._get_node(key), DictConfig):
+                _text_as_written(layer[key], text, node)
+        elif isinstance(node, StringNode) and isinstance(text, str) and text not in _NULLS:
+            layer[key] = text
+        elif (isinstance(node, ListConfig) and node._metadata.element_type is str and isinstance(text, list)
+              and all(isinstance(t, str) and t not in _NULLS for t in text)):
+            layer[key] = text
+
+
 def _check_sections(layer: DictConfig, schema: DictConfig, source: str, prefix: str = "") -> None:
     """Where ``schema`` has a section: an empty one (YAML ``sampling:`` with its keys commented out) sets nothing and
     is dropped from ``layer``; a value that is not a mapping is refused by name (omegaconf's merge error names no key)."""
@@ -239,8 +272,7 @@ def _validate(cfg: RuntimeConfig) -> None:
     for key, allowed in _CHOICES.items():
         value = OmegaConf.select(node, key)
         if value not in allowed:
-            hint = " (YAML reads on/off/yes/no as booleans)" if str(value) in ("True", "False") else ""
-            raise ConfigError(f"config key '{key}'={value!r} must be one of {list(allowed)}{hint}")
+            raise ConfigError(f"config key '{key}'={value!r} must be one of {list(allowed)}")
     if cfg.engine.deterministic and cfg.model.quantization == "fp8":
         raise ConfigError("engine.deterministic=true cannot be combined with model.quantization="
                           f"{cfg.model.quantization} (its GEMMs are not batch-invariant)")
@@ -284,6 +316,7 @@ def load_config(paths: list[str | Path] | None = None, overrides: Sequence[str] 
         if not isinstance(layer, DictConfig):
             raise ConfigError(f"config file {file} must hold a mapping of sections, not {type(layer).__name__}")
         _check_sections(layer, schema, str(file))
+        _text_as_written(layer, _written(file.read_text(encoding="utf-8")), schema)
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as exc:
@@ -302,6 +335,11 @@ def _merge_override(merged: DictConfig, item: str, schema: DictConfig) -> DictCo
     try:
         layer = OmegaConf.from_dotlist([item])
         _check_sections(layer, schema, f"override {item!r}")
+        key, _, text = item.partition("=")
+        written = _written(text)
+        for part in reversed(key.split(".")):
+            written = {part: written}
+        _text_as_written(layer, written, schema)
         return OmegaConf.merge(merged, layer)
     except OmegaConfBaseException as exc:
         raise _explain(exc, schema, f"override {item!r}") from None

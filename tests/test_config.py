@@ -161,13 +161,21 @@ def test_wrong_type_or_bad_value_in_override_names_the_key(override, key):
         load_config([], [override])
 
 
-def test_a_yaml_boolean_for_a_choice_says_why(tmp_path):
-    """`off` is a YAML boolean: the error names the key, the choices and the reason the value changed."""
-    with pytest.raises(ConfigError, match=r"engine\.fused_gemv.*'auto', 'always', 'never'.*YAML reads on/off"):
+def test_text_keys_keep_their_values_as_written(tmp_path):
+    """YAML 1.1 reads `off`, `no` and `on` as booleans and `012345`, `1_0` and `0x1F` as numbers; keys that hold
+    text keep what was written (an API key, a stop string), on the command line and in files alike."""
+    with pytest.raises(ConfigError, match=r"engine\.fused_gemv'='off' must be one of \['auto', 'always', 'never'\]"):
         load_config([], ["engine.fused_gemv=off"])
-    (tmp_path / "c.yaml").write_text("engine:\n  fused_gemv: on\n")
-    with pytest.raises(ConfigError, match="YAML reads on/off"):
-        load_config([tmp_path / "c.yaml"])
+    (tmp_path / "c.yaml").write_text("server:\n  api_key: 012345\n  served_model_name: yes\nsampling:\n"
+                                     "  stop: [no, '1_0', 1_0]\n  temperature: 0\n")
+    for cfg in (load_config([tmp_path / "c.yaml"]),
+                load_config([], ["server.api_key=012345", "server.served_model_name=yes", "sampling.stop=[no,'1_0',1_0]",
+                                 "sampling.temperature=0"])):
+        assert (cfg.server.api_key, cfg.server.served_model_name) == ("012345", "yes")
+        assert list(cfg.sampling.stop) == ["no", "1_0", "1_0"] and cfg.sampling.temperature == 0.0
+    cfg = load_config([], ["job.prompts=[on, 0x1F]", "model.path=1:20", "server.api_key=null", "cache.page_size=0x10"])
+    assert (list(cfg.job.prompts), cfg.model.path, cfg.server.api_key) == (["on", "0x1F"], "1:20", None)
+    assert cfg.cache.page_size == 16  # a number key reads YAML numbers as before
     assert load_config([], ["engine.fused_gemv=never"]).engine.fused_gemv == "never"
 
 
@@ -379,6 +387,19 @@ def test_launch_print_config():
     assert proc.returncode == 0, proc.stderr
     assert "page_size: 1\n" in proc.stdout
     assert "cache:" in proc.stdout and "sampling:" in proc.stdout
+
+
+def test_launch_options_may_follow_the_overrides():
+    proc = run_launch("serve", "server.port=7", "--print-config")
+    assert proc.returncode == 0 and "port: 7\n" in proc.stdout, proc.stderr
+
+
+def test_launch_exits_1_when_no_prompt_could_be_served():
+    proc = run_launch("engine.device=cpu", "sampling.max_new_tokens=2", "job.prompts=[hi,yo]", "model.max_seq_len=4")
+    assert proc.returncode == 1 and "the maximum sequence length is 4" in proc.stdout, proc.stderr
+    proc = run_launch("engine.device=cpu", "sampling.max_new_tokens=2", "job.prompts=[hi]", "model.max_seq_len=64",
+                      "job.chat_template=false")
+    assert proc.returncode == 0 and "1 requests" in proc.stdout, proc.stderr
 
 
 def test_launch_unknown_key_fails_naming_it():
