@@ -56,7 +56,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "after a drain, a failed rank's own code, no launcher traceback (parallel/launcher.py)")
     parser.add_argument("overrides", nargs="*", help="'serve' (the OpenAI-compatible server), then key=value "
                                                       "overrides, e.g. cache.page_size=1")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options after the overrides too
     args.serve = bool(args.overrides) and args.overrides[0] == "serve"
     if args.serve:
         args.overrides = args.overrides[1:]
@@ -150,7 +150,7 @@ def serve(cfg: RuntimeConfig, llm: LLM, drain: Drain, output_locked: bool = Fals
     stats = llm.last_stats
     print(f"{stats['output_tokens']} tokens in {stats['seconds']:.2f} s: {stats['tokens_per_s']:.1f} tokens/s "
           f"({llm.engine.device.type}, tp={tp.size}, {len(outputs)} requests){replica}")
-    return 0
+    return 1 if all(out.error for out in outputs) else 0  # as a job that serves no row
 
 
 def run_worker(cfg: RuntimeConfig) -> int:
