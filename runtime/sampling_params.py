@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -14,6 +15,7 @@ GREEDY_TEMPERATURE = 1e-5
 # Well inside float32: near 8.5e37 1/t stops being a normal float32 and flushes to 0, and a -inf logit times 0
 # is NaN, which wins the draw. At 1e30 every finite logit is already equally likely.
 MAX_TEMPERATURE = 1e30
+_INT_FIELDS = ("top_k", "max_new_tokens", "seed", "logprobs", "prompt_logprobs", "n")
 
 
 @dataclass
@@ -43,6 +45,19 @@ class SamplingParams:
         a list of one."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        # NumPy scalars (a seed from np.random, a count from an array) are numbers too: kept as Python ones, which
+        # the checks below and the JSON written with the results take.
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (int, bool)):
+                setattr(self, name, int(value))
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Real) and not isinstance(value, (int, float, bool)):
+                setattr(self, name, float(value))
+        if isinstance(self.stop_token_ids, list):
+            self.stop_token_ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
+                                   for t in self.stop_token_ids]
 
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"sampling parameter {name}={getattr(self, name)!r} {why}")

@@ -129,3 +129,12 @@ def test_admit_refuses_a_tokenized_request_before_it_is_queued(tiny_llm):
     assert seen == [("long", 9), ("short", 2)]
     assert outs[0].error == "9 prompt tokens is too many" and outs[1].error is None and outs[1].completion_tokens == 2
     assert stats.prefill_tokens + stats.cached_tokens - before == 2  # the short prompt only
+
+
+def test_a_stop_token_id_outside_the_vocabulary_fails_its_request_alone(tiny_llm):
+    """A stop id the model can never sample would be silently ignored: the request fails naming it."""
+    vocab = tiny_llm.model_config.vocab_size
+    params = [SamplingParams(temperature=0, max_new_tokens=2, stop_token_ids=ids) for ids in ([3, vocab + 7], [3])]
+    outs = tiny_llm.generate([[4, 5], [4, 5]], params)
+    assert "stop_token_ids" in outs[0].error and f"[{vocab + 7}]" in outs[0].error
+    assert outs[1].error is None and outs[1].completion_tokens >= 1

@@ -466,6 +466,21 @@ def test_sampling_values_are_not_coerced(values, named):
         SamplingParams.from_dict(values)
 
 
+def test_numpy_scalars_are_taken_as_the_python_numbers_they_hold():
+    import json
+
+    import numpy as np
+
+    params = SamplingParams(seed=np.int64(7), n=np.int32(2), top_k=np.int16(5), top_p=np.float32(0.5),
+                            temperature=np.float64(0.25), logprobs=np.uint8(3), stop_token_ids=[np.int64(9)])
+    assert (params.seed, params.n, params.top_k, params.top_p, params.temperature) == (7, 2, 5, 0.5, 0.25)
+    assert params.logprobs == 3 and params.stop_token_ids == [9]
+    json.dumps(vars(params))  # plain Python numbers: the results' JSON takes them
+    for bad in ({"seed": np.bool_(True)}, {"top_k": np.float64(2.0)}, {"seed": np.int64(-1)}):
+        with pytest.raises(ValueError, match=f"sampling parameter {next(iter(bad))}="):
+            SamplingParams(**bad)
+
+
 def test_a_config_without_architectures_is_not_taken_for_llama():
     from models.config import ModelConfig
 

@@ -143,6 +143,10 @@ class LLM:
         ids = self.encode(prompt)
         if not ids:  # no position to sample from
             raise ValueError("prompt encodes to zero tokens")
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):  # such a stop could never fire
+            bad = [t for t in params.stop_token_ids if t >= vocab]
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings {params.stop} need a tokenizer; model directory {self.model_dir} has none")
         limit = self.engine.max_seq_len
