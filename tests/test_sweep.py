@@ -373,6 +373,9 @@ def test_split_top_level_keeps_lists_and_quotes_whole():
     assert split_top_level("0,0.7") == ["0", "0.7"]
     assert split_top_level('[1,2],"x,y",{a: 1, b: 2}') == ["[1,2]", '"x,y"', "{a: 1, b: 2}"]
     assert split_top_level("/models/a") == ["/models/a"]
+    # An apostrophe inside a word is a letter, not the start of a quoted value.
+    assert split_top_level("[don't],[can't]") == ["[don't]", "[can't]"]
+    assert split_top_level("it's,'a,b', {k: 'c,d'}") == ["it's", "'a,b'", " {k: 'c,d'}"]
 
 
 def test_the_name_template_reads_config_keys_and_path_parts(model_dir, rows, tmp_path):

@@ -177,12 +177,13 @@ def shorthand_sweep(configs: list[str], items: list[str], out: str | None = None
 
 
 def split_top_level(text: str) -> list[str]:
-    """'a,b' -> ['a', 'b']; commas inside brackets, braces or quotes stay."""
-    parts, depth, quote, start = [], 0, "", 0
+    """'a,b' -> ['a', 'b']; commas inside brackets, braces or quotes stay. A quote opens only where a value
+    starts, as in the override grammar: the apostrophe of don't,can't is a letter."""
+    parts, depth, quote, start, prev = [], 0, "", 0, ","
     for i, ch in enumerate(text):
         if quote:
             quote = "" if ch == quote else quote
-        elif ch in "'\"":
+        elif ch in "'\"" and prev in ",[{:":
             quote = ch
         elif ch in "[{":
             depth += 1
@@ -191,6 +192,8 @@ def split_top_level(text: str) -> list[str]:
         elif ch == "," and depth == 0:
             parts.append(text[start:i])
             start = i + 1
+        if not ch.isspace():
+            prev = ch
     parts.append(text[start:])
     return parts
 
