@@ -218,6 +218,9 @@ def _moe_fields(cfg: dict[str, Any], arch: str, get: Callable[[str], Any]) -> di
     top_k = int(get("num_experts_per_tok"))
     # Either name, for either family, as transformers reads them.
     named = [cfg[key] for key in ("num_experts", "num_local_experts") if cfg.get(key) is not None]
+    if len(set(named)) > 1:  # transformers' two families would each read a different one of these
+        raise ValueError(f"num_experts={named[0]} and num_local_experts={named[1]} name the same count (the experts "
+                         "of a layer) but differ; keep one")
     experts = int(named[0] if named else get("num_experts") or 0)
     if arch == "MixtralForCausalLM":
         inter, renormalize, sparse = int(cfg["intermediate_size"]), True, tuple(range(layers))

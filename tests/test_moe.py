@@ -76,6 +76,12 @@ def test_config_reads_the_sparse_layers():
     assert mixtral.sparse_layers == (0, 1, 2) and mixtral.moe_intermediate_size == 96 and mixtral.norm_topk_prob
     with pytest.raises(ValueError, match="num_experts_per_tok=9"):
         ModelConfig.from_dict({**_families()["mixtral"][1].to_dict(), "num_experts_per_tok": 9})
+    # Both names of the expert count, differing: transformers' Mixtral and Qwen3-MoE would each read another.
+    for family in ("mixtral", "qwen3_moe"):
+        both = {**_families()[family][1].to_dict(), "num_experts": 8, "num_local_experts": 6}
+        with pytest.raises(ValueError, match="num_experts=8 and num_local_experts=6"):
+            ModelConfig.from_dict(both)
+        assert ModelConfig.from_dict({**both, "num_local_experts": 8}).num_experts == 8
 
 
 def test_logits_match_hf(moe_dir):
