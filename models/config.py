@@ -90,12 +90,21 @@ class ModelConfig:
     # "auto" (fp8 when the checkpoint is pre-quantised FP8, else none). A run-time choice (model.quantization).
     quantization: str = "auto"
     checkpoint_fp8: Fp8Checkpoint | None = None  # how a pre-quantised FP8 checkpoint stores its weights
+    # Our projections (model.layers.0.mlp.down_proj) that an FP8 checkpoint stores unquantised, as its ignore list
+    # says: under "auto" they keep the model dtype, as published. Filled by the loader from the tensors' dtypes.
+    dense_projections: frozenset[str] = frozenset()
     sliding_window: int | None = None  # the window transformers slides on some layers; None: dense attention
     sliding_window_rule: str = ""  # the config file, key and layers that slide it, for errors
 
     @property
     def fp8(self) -> bool:
-        return self.quantization == "fp8" or (self.quantization == "auto" and self.checkpoint_fp8 is not None)
+        """Some projections run in FP8 (a checkpoint that calibrates only the KV cache has none)."""
+        published = self.checkpoint_fp8 is not None and bool(self.checkpoint_fp8.strategies)
+        return self.quantization == "fp8" or (self.quantization == "auto" and published)
+
+    def fp8_projection(self, name: str) -> bool:
+        """Whether our projection ``name`` (model.layers.0.self_attn.qkv_proj) stores e4m3 weights."""
+        return self.fp8 and (self.quantization == "fp8" or name not in self.dense_projections)
 
     @property
     def kv_scales(self) -> bool:
@@ -127,7 +136,10 @@ class ModelConfig:
         arch = next((a for a in archs if a in FAMILIES), None)
         if arch is None:
             raise ValueError(f"model architecture {archs} is not supported; expected one of {SUPPORTED_ARCHITECTURES}")
-        checkpoint_fp8 = fp8_checkpoint(cfg.get("quantization_config"), source)
+        # compression_config: the name older compressed-tensors checkpoints give the same section.
+        quant_key = "quantization_config" if cfg.get("quantization_config") else "compression_config"
+        checkpoint_fp8 = fp8_checkpoint(cfg.get(quant_key), source if quant_key == "quantization_config"
+                                        else f"{source} ({quant_key}, read as quantization_config)")
         defaults = {**_LLAMA_DEFAULTS, **_FAMILY_DEFAULTS[arch]}
 
         def get(key: str) -> Any:
@@ -344,9 +356,13 @@ def _fine_grained_fp8(quant: dict[str, Any], source: str) -> Fp8Checkpoint:
 
 def _compressed_tensors(quant: dict[str, Any], source: str) -> Fp8Checkpoint:
     """llm-compressor's float8 checkpoints (FP8, FP8_DYNAMIC, FP8_BLOCK): ``weight_scale`` per channel,
-    tensor or block, and optionally a static FP8 KV-cache scale per tensor. Activation schemes are not needed:
-    activations are quantised per token at run time."""
+    tensor or block, and optionally a static FP8 KV-cache scale per tensor; or the KV-cache scales alone, beside
+    unquantised weights (no config group). Activation schemes are not needed: activations are quantised per
+    token at run time."""
     fmt = quant.get("format")
+    if not quant.get("config_groups") and quant.get("kv_cache_scheme") and fmt in (None, "dense", *_CT_FP8_FORMATS):
+        _kv_cache_scheme(quant["kv_cache_scheme"], source)
+        return Fp8Checkpoint("compressed-tensors", "weight_scale", (), kv_scales=True)
     if fmt not in _CT_FP8_FORMATS:
         raise _unsupported(source, "quantization_config.format", fmt, f" (FP8 weights are {list(_CT_FP8_FORMATS)})")
     if quant.get("transform_config"):

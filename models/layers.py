@@ -143,6 +143,10 @@ class _Linear(nn.Module):
         self.weight = new_param(rows, cols, loader=self._load, dtype=fp8.FP8 if quantized else None)
         self.weight_scale = new_param(rows, loader=None, dtype=torch.float32) if quantized else None
 
+    @property
+    def fp8(self) -> bool:
+        return self.weight_scale is not None
+
     def _rows(self, param: torch.Tensor, source: SliceSource, shard_id: Any) -> tuple[slice, tuple[slice, ...]]:
         """(rows of ``param`` to fill, the index of their values in the checkpoint tensor)."""
         raise NotImplementedError

@@ -29,13 +29,13 @@ class LlamaAttention(nn.Module):
         self.layer_id = layer_id
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias or cfg.qkv_bias,
-            kernels.linear, cfg.fp8,
+            kernels.linear, cfg.fp8_projection(f"model.layers.{layer_id}.self_attn.qkv_proj"),
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.attention_bias,
-                                        kernels.linear, cfg.fp8)
+                                        kernels.linear, cfg.fp8_projection(f"model.layers.{layer_id}.self_attn.o_proj"))
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels)
@@ -65,16 +65,18 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: Kernels) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, kernels: Kernels) -> None:
         super().__init__()
+        prefix = f"model.layers.{layer_id}.mlp."
+        down_fp8 = cfg.fp8_projection(prefix + "down_proj")
         self.silu_and_mul = kernels.silu_and_mul
         # At TP > 1 down_proj's token scales come from whole rows over the ranks, so it quantises its own input.
-        if cfg.fp8 and kernels.silu_and_mul_quantize is not None and get_tp().size == 1:
+        if down_fp8 and kernels.silu_and_mul_quantize is not None and get_tp().size == 1:
             self.silu_and_mul = kernels.silu_and_mul_quantize
         size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], cfg.mlp_bias, kernels.linear,
-                                                       cfg.fp8)
-        self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias, kernels.linear, cfg.fp8)
+                                                       cfg.fp8_projection(prefix + "gate_up_proj"))
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias, kernels.linear, down_fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
@@ -85,10 +87,11 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, kernels)
         sparse = cfg.is_sparse(layer_id)
-        self.mlp = SparseMoE(cfg, kernels) if sparse else LlamaMLP(cfg, kernels)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels, quantize=cfg.fp8)
+        self.mlp = SparseMoE(cfg, kernels) if sparse else LlamaMLP(cfg, layer_id, kernels)
+        # A norm quantises its output where the projection it feeds stores e4m3 weights.
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels, quantize=self.self_attn.qkv_proj.fp8)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels,
-                                                quantize=cfg.fp8 and not sparse)
+                                                quantize=not sparse and self.mlp.gate_up_proj.fp8)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor

@@ -211,20 +211,44 @@ def test_channel_checkpoint_stores_what_quantising_at_load_stores(base_dir, tmp_
         {"group_0": (["Linear"], _ct_weights("channel"))}, ignore=["lm_head", "model.layers.0.mlp.down_proj"]),
         _projections("channel", skip=("layers.0.mlp.down_proj",)))
     assert _checkpoint(ckpt_dir)["model.layers.1.mlp.down_proj.weight"].dtype == fp8.FP8
-    assert _checkpoint(ckpt_dir)["model.layers.0.mlp.down_proj.weight"].dtype == torch.float32  # in `ignore`
+    ignored = _checkpoint(ckpt_dir)["model.layers.0.mlp.down_proj.weight"]
+    assert ignored.dtype == torch.float32  # in `ignore`
     at_load = make_engine(base_dir, "model.quantization=fp8")
-    published = make_engine(ckpt_dir)  # model.quantization=auto: FP8, as published
-    ours, theirs = _stored(published.model), _stored(at_load.model)
+    everything = make_engine(ckpt_dir, "model.quantization=fp8")  # the ignored layer quantised at load too
+    published = make_engine(ckpt_dir)  # model.quantization=auto: FP8 where the checkpoint is, as published
+    ours, theirs, all_fp8 = _stored(published.model), _stored(at_load.model), _stored(everything.model)
     for key, (weight, scale) in ours.items():
+        assert torch.equal(_bits(all_fp8[key][0]), _bits(theirs[key][0])), key
+        assert torch.equal(all_fp8[key][1], theirs[key][1]), key
+        if key == "0.down_proj":  # the ignored layer keeps the model dtype, its values as stored
+            assert scale is None and torch.equal(weight, ignored)
+            continue
         assert weight.dtype == fp8.FP8, key
         assert torch.equal(_bits(weight), _bits(theirs[key][0])), key
         assert torch.equal(scale, theirs[key][1]), key
     assert torch.equal(published.model.lm_head.weight, at_load.model.lm_head.weight)
     prompts = _prompts(LLAMA["vocab_size"], 0)
+    for a, b in zip(prefill_logits(everything, prompts), prefill_logits(at_load, prompts)):
+        assert torch.equal(a, b)
+    # The reference for auto: quantised at load, with the ignored layer put back as stored.
+    down = at_load.model.model.layers[0].mlp.down_proj
+    down.weight, down.weight_scale = torch.nn.Parameter(ignored.clone(), requires_grad=False), None
     for a, b in zip(prefill_logits(published, prompts), prefill_logits(at_load, prompts)):
         assert torch.equal(a, b)
-    del at_load, published
+    del at_load, published, everything
     gc.collect()
+
+
+def test_a_fused_projection_with_parts_of_two_precisions_is_refused_under_auto(base_dir, tmp_path):
+    ckpt_dir = _write_fp8(base_dir, tmp_path / "mixed", _compressed_tensors(
+        {"group_0": (["Linear"], _ct_weights("channel"))}, ignore=["lm_head", "model.layers.1.self_attn.k_proj"]),
+        _projections("channel", skip=("layers.1.self_attn.k_proj",)))
+    with pytest.raises(ValueError, match=r"layer 1 stores q_proj F8_E4M3, k_proj F32, v_proj F8_E4M3: .*qkv_proj"):
+        _load(ckpt_dir, "auto")
+    quantized = _stored(_load(ckpt_dir, "fp8"))
+    assert quantized["1.qkv_proj"][0].dtype == fp8.FP8
+    dense = _stored(_load(ckpt_dir, "none"))
+    assert dense["1.qkv_proj"][0].dtype == torch.float32 and dense["1.qkv_proj"][1] is None
 
 
 def test_auto_leaves_an_unquantised_checkpoint_in_the_model_dtype(base_dir):

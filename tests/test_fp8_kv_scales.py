@@ -317,3 +317,31 @@ def test_tp2_ranks_hold_the_same_scales(kv_dir):
         assert got["kv_heads"].item() == LLAMA["num_key_value_heads"] // 2, rank  # each rank its half of the heads
         assert torch.equal(got["cache"], SCALES), rank
         assert torch.equal(got["params"], SCALES), rank
+
+
+@pytest.mark.parametrize("section", ["quantization_config", "compression_config"])
+def test_a_checkpoint_that_calibrates_only_the_kv_cache_loads_its_weights_as_stored(base_dir, tmp_path, section):
+    """compressed-tensors writes no config group (format 'dense') when only the KV cache was calibrated; older
+    releases name the section compression_config. The weights stay as stored, the FP8 cache takes the scales."""
+    config = json.loads((base_dir / "config.json").read_text())
+    kv_only = {"quant_method": "compressed-tensors", "format": "dense", "quantization_status": "frozen",
+               "config_groups": {}, "kv_cache_scheme": KV_SCHEME, "ignore": []}
+    tensors = {n: t for f in sorted(base_dir.glob("*.safetensors")) for n, t in load_file(f).items()}
+    scales = {_kv_name(layer, kind): torch.tensor([value]) for layer, pair in enumerate(SCALES.tolist())
+              for kind, value in zip("kv", pair)}
+    ckpt = _save({**tensors, **scales}, {**config, section: kv_only}, tmp_path / "kv-only")
+    cfg = ModelConfig.from_dir(ckpt)
+    assert cfg.kv_scales and not cfg.fp8
+    engine = make_engine(ckpt, FP8_KV)
+    assert torch.equal(engine.kv_cache.scales, SCALES)
+    q_proj = engine.model.model.layers[1].self_attn.qkv_proj
+    assert q_proj.weight_scale is None and q_proj.weight.dtype == torch.float32
+    assert torch.equal(q_proj.weight[: LLAMA["hidden_size"]], tensors["model.layers.1.self_attn.q_proj.weight"])
+    # The same weights with the same scales put into the cache by hand.
+    reference = make_engine(base_dir, FP8_KV)
+    reference.kv_cache.scales.copy_(SCALES)
+    prompts = _prompts(LLAMA["vocab_size"], 5)
+    for a, b in zip(prefill_logits(engine, prompts), prefill_logits(reference, prompts)):
+        assert torch.equal(a, b)
+    del engine, reference
+    gc.collect()

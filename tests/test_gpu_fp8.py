@@ -313,3 +313,58 @@ def test_fp8_kv_xqa_decode_costs_less_than_the_cache():
         errors = relative_error(d, w), relative_error(e, w), relative_error(w, b)
         print("XQA decode, exact decode vs prefill; FP8 KV vs bf16:", [f"{x:.3e}" for x in errors])
         assert errors[1] < errors[0] < errors[2]
+
+
+_MIXED = {"architectures": ["LlamaForCausalLM"], "vocab_size": 4096, "hidden_size": 512, "intermediate_size": 1536,
+          "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+          "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}
+
+
+def test_an_fp8_checkpoints_unquantised_layers_run_in_bf16_beside_fp8_ones(tmp_path):
+    """A checkpoint whose ignore list keeps layer 0's down_proj and layer 1's q/k/v unquantised: those stay bf16,
+    and the kernels before them (fused SiLU and norm quantisers, the one-token GEMVs) hand them bf16 inputs.
+    CUDA-graph decode, alone (the fused one-token layers) and batched, equals eager within FP8's distance from
+    the dequantised model, and that distance is FP8 noise, not a misread input."""
+    import json
+
+    from scripts.make_random_checkpoint import write_random_checkpoint
+    from tests.test_fp8_checkpoint import _compressed_tensors, _ct_weights, _projections, _write_fp8
+
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.json").write_text(json.dumps(_MIXED))
+    base = write_random_checkpoint(tmp_path / "config", tmp_path / "base", seed=5, dtype=torch.bfloat16)
+    ignored = ("model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj",
+               "model.layers.1.self_attn.v_proj")
+    ckpt = _write_fp8(base, tmp_path / "fp8", _compressed_tensors({"group_0": (["Linear"], _ct_weights("channel"))},
+                                                                 ignore=["lm_head", *ignored]),
+                      _projections("channel", skip=tuple(name.removeprefix("model.") for name in ignored)))
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (9, 70, 140)]
+    runs = {}
+    for quantization in ("auto", "none"):
+        llm = LLM(overrides=["engine.device=cuda", f"model.path={ckpt}", f"model.quantization={quantization}",
+                             "model.max_seq_len=512", "scheduler.max_running_requests=8"])
+        engine = llm.engine
+        assert engine.graph_runner is not None
+        layers = engine.model.model.layers
+        if quantization == "auto":
+            stored = {(i, name): getattr(layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp, name)
+                      .weight.dtype for i, layer in enumerate(layers)
+                      for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+            dense = {(0, "down_proj"), (1, "qkv_proj")}
+            assert all((dtype == torch.bfloat16) == (key in dense) for key, dtype in stored.items()), stored
+            assert layers[0].mlp.silu_and_mul is not fp8.silu_mul_quantize  # its down_proj reads bf16
+            assert layers[1].input_layernorm.add_norm is not add_norm.add_rms_norm_quantize  # so does its qkv
+            assert layers[2].input_layernorm.add_norm is add_norm.add_rms_norm_quantize
+        runs[quantization, "eager"] = prefill_logits(engine, seqs, None, 8, False)
+        runs[quantization, "graph"] = prefill_logits(engine, seqs, None, 8, True)
+        runs[quantization, "alone"] = [prefill_logits(engine, [s], None, 8, True)[0] for s in seqs]
+        llm.shutdown()
+        del llm, engine, layers
+        torch.cuda.empty_cache()
+    for i in range(len(seqs)):
+        eager, reference = runs["auto", "eager"][i][-8:], runs["none", "eager"][i][-8:]
+        fp8_err = relative_error(eager, reference)
+        errors = [relative_error(runs["auto", kind][i][-8:], eager) for kind in ("graph", "alone")]
+        print(f"FP8 vs dequantised {fp8_err:.3e}; graph, one-token graph vs eager {errors}")
+        assert 1e-3 < fp8_err < 0.15 and max(errors) <= fp8_err

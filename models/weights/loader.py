@@ -118,6 +118,7 @@ def load_model(
         index = checkpoint_index(files)
         tied_head_as_embedding(index, cfg)
         cfg = untie_distinct_lm_head(path, index, cfg)
+        cfg = dataclasses.replace(cfg, dense_projections=dense_projections(path, index, cfg))
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, kernels)
     if random_seed is None:
@@ -203,6 +204,36 @@ def untie_distinct_lm_head(path: Path, index: dict[str, TensorInfo], cfg: ModelC
     return dataclasses.replace(cfg, tie_word_embeddings=False)
 
 
+# Our fused projections and the checkpoint modules (under model.layers.N.) that fill them.
+_PROJECTION_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                     "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+                     "mlp.down_proj": ("mlp.down_proj",)}
+
+
+def dense_projections(path: Path, index: dict[str, TensorInfo], cfg: ModelConfig) -> frozenset[str]:
+    """Under model.quantization=auto, the projections an FP8 checkpoint stores unquantised (in its ``ignore`` or
+    ``modules_to_not_convert`` list): they keep the model dtype, as published. Read from the tensors' dtypes,
+    which are what the lists describe. Parts of one fused projection must agree: it has one weight dtype."""
+    if cfg.quantization != "auto" or not cfg.fp8:
+        return frozenset()
+    dense = set()
+    for layer in range(cfg.num_layers):
+        for ours, parts in _PROJECTION_PARTS.items():
+            if ours.startswith("mlp.") and cfg.is_sparse(layer):
+                continue
+            dtypes = {part: index[f"model.layers.{layer}.{part}.weight"].dtype for part in parts
+                      if f"model.layers.{layer}.{part}.weight" in index}  # a missing one: check_checkpoint says so
+            stored_fp8 = [part for part, dtype in dtypes.items() if dtype == FP8_DTYPE]
+            if not stored_fp8:
+                dense.add(f"model.layers.{layer}.{ours}")
+            elif len(stored_fp8) < len(dtypes):
+                shown = ", ".join(f"{part.split('.')[-1]} {dtype}" for part, dtype in dtypes.items())
+                raise ValueError(f"{path}: layer {layer} stores {shown}: they run as one fused projection "
+                                 f"({ours.split('.')[-1]}), so they need one precision; set model.quantization=fp8 "
+                                 "(quantise the others at load) or none (dequantise all)")
+    return frozenset(dense)
+
+
 def _current_name(stored: str) -> str:
     for old, new in KV_SCALE_ALIASES.items():
         if stored.endswith("." + old):
@@ -284,6 +315,9 @@ def _log_fp8_loading(path: Path, cfg: ModelConfig, layout: Fp8Layout, dtype: tor
         return
     if not cfg.fp8:
         log.info("%s: FP8 weights dequantised to %s (model.quantization=%s)", path, dtype, cfg.quantization)
+    if cfg.dense_projections:
+        log.info("%s: %d projections stored unquantised keep %s, as published (model.quantization=fp8 quantises "
+                 "them too)", path, len(cfg.dense_projections), dtype)
     elif any(strategy == "block" for _, strategy in layout.scales.values()):
         log.info("%s: FP8 weights scaled per block re-quantised with a scale per row", path)
     if layout.activation_scales:
