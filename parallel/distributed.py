@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
+import signal
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +52,8 @@ def init_distributed(use_cuda: bool, timeout_s: int, env: TorchrunEnv | None = N
     if env.world_size == 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
         set_tp(info)
         return info
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        end_with_the_agent()
     if use_cuda:
         if env.local_rank >= torch.cuda.device_count():
             raise RuntimeError(
@@ -74,6 +79,17 @@ def init_distributed(use_cuda: bool, timeout_s: int, env: TorchrunEnv | None = N
                 device_group, cpu_group = device, cpu
     set_tp(info, device_group, cpu_group)
     return info
+
+
+def end_with_the_agent() -> None:
+    """torchrun starts each rank in a session of its own, so a killed agent (kill -9 of torchrun or of launch.py)
+    would leave a TP-only job's ranks serving on, holding the output a rerun waits for. On Linux the kernel sends
+    this rank SIGTERM when its parent dies: a drain, as torchrun itself would have sent."""
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0) == 0 and os.getppid() == 1:
+        os.kill(os.getpid(), signal.SIGTERM)  # the agent was gone before the request took effect
 
 
 def shutdown_distributed() -> None:

@@ -16,6 +16,7 @@ from parallel.distributed import TorchrunEnv, layout
 from runtime.frontend.job_files import merge_parts, part_path
 from tests.conftest import make_tiny_text_llama
 from tests.helpers import rows_written, wait_for_rows
+from tests.test_torchrun import _alive
 from tests.tp_utils import child_with_rank
 
 REPO = Path(__file__).resolve().parents[1]
@@ -237,3 +238,68 @@ def test_a_leader_waiting_for_a_part_lock_keeps_its_tp_workers_inside_a_short_ti
     assert proc.returncode == 0, ("".join(log) + rest)[-3000:]
     assert any("is in use by another run" in line for line in log)
     assert _texts(out) == reference
+
+
+@pytest.mark.slow
+def test_a_replica_that_fails_ends_the_others_at_once(model_dir, rows, tmp_path):
+    """Replica 0 cannot take a part file another run holds (job.lock_wait_s=1) and fails; replica 1, waiting at
+    a barrier, ends with it in seconds and says why, not after the drain's timeout (20 s, then torchrun's kill)."""
+    from runtime.frontend.output_lock import OutputLock, lock_path
+
+    out = tmp_path / "out.jsonl"
+    held = OutputLock(lock_path(out, 1), "a killed run's replica 1")
+    held.acquire()
+    proc = subprocess.Popen(_job(model_dir, rows, out, 2, 1, "job.lock_wait_s=1"), cwd=REPO, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = []
+    try:
+        for line in proc.stdout:
+            log.append(line)
+            if "is in use by another run" in line:
+                break
+        waiting_since = time.time()
+        rest, _ = proc.communicate(timeout=120)
+        elapsed = time.time() - waiting_since
+    finally:
+        held.release()
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(log) + rest
+    print(f"every rank gone {elapsed:.1f} s after replica 0 started waiting for the lock")
+    assert proc.returncode == 1, text[-3000:]
+    assert "replica 0: OutputLocked" in text, text[-3000:]
+    assert elapsed < 12, text[-3000:]
+
+
+@pytest.mark.slow
+def test_ranks_of_a_killed_launcher_drain_and_exit(model_dir, tmp_path):
+    """kill -9 of launch.py --nproc-per-node (torchrun's agent in-process): its TP=2 ranks, in sessions of their
+    own, drain and exit, rather than serve minutes of rows on and hold the output a rerun waits for."""
+    from runtime.frontend.output_lock import OutputLock, lock_path
+
+    rows = tmp_path / "long.jsonl"
+    rows.write_text("".join(json.dumps({"id": i, "prompt": f"Row {i}", "sampling": {"max_new_tokens": 400,
+                                                                                  "ignore_eos": True}}) + "\n"
+                            for i in range(200)))
+    out = tmp_path / "out.jsonl"
+    cmd = _job(model_dir, rows, out, 1, 2, "job.drain_timeout_s=3")  # python launch.py ...
+    cmd[2:2] = ["--nproc-per-node", "2"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks: list[int] = []
+    try:
+        wait_for_rows(proc, out, 2)
+        ranks = [child_with_rank(proc.pid, r) for r in range(2)]
+        proc.kill()
+        proc.wait(timeout=30)
+        killed = time.time()
+        while any(_alive(pid) for pid in ranks) and time.time() < killed + 60:
+            time.sleep(0.2)
+        elapsed = time.time() - killed
+    finally:
+        for pid in ranks:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    print(f"ranks gone {elapsed:.1f} s after their launcher, {rows_written(out)} of 200 rows written")
+    assert elapsed < 30 and rows_written(out) < 200
+    with OutputLock(lock_path(out), "the output"):  # free: a rerun starts at once
+        pass

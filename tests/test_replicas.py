@@ -58,3 +58,48 @@ def test_a_leader_waiting_at_a_barrier_pings_its_workers_inside_their_timeout(mo
     gaps = [b - a for a, b in zip([start, *pings], pings)]
     assert len(pings) >= 3 and max(gaps) < 1.0, gaps  # the first on arrival
     assert all(t <= left for t in pings)  # none once the leader is back
+
+
+def test_a_replica_that_fails_ends_the_others_barriers_with_its_reason() -> None:
+    """Without it a replica on another node, which no launcher stops, would wait at the barrier for ever."""
+    import threading
+    import time
+
+    import pytest
+
+    store = dist.HashStore()
+    waiting, failing = _replica(0, 2, store), _replica(1, 2, store)
+    fails = threading.Timer(0.3, failing.fail, args=(ValueError("row 7 broke it"),))
+    fails.start()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"replica 1: ValueError: row 7 broke it; replicas stop with it \(at 'planned'\)"):
+        waiting.barrier("planned")
+    assert time.monotonic() - start < 2.0
+    fails.join()
+    failing.fail(RuntimeError("a later failure"))  # the first reason is the one kept
+    with pytest.raises(RuntimeError, match="row 7 broke it"):
+        _replica(0, 2, store).barrier("merged")
+
+
+def test_the_last_barrier_waits_for_replica_0_past_a_drains_timeout() -> None:
+    """After a drain the other replicas still wait for replica 0's merge (``give_up_after_drain=False``); the
+    barriers before it give up, as a replica may never come."""
+    import threading
+    import time
+
+    import pytest
+
+    from runtime.frontend.signals import Drain
+
+    store = dist.HashStore()
+    drain = Drain(signum=15, since=time.monotonic() - 3600)  # drained an hour ago
+    waiting = _replica(1, 2, store)
+    waiting.drain, waiting.drain_timeout_s = drain, 1.0
+    with pytest.raises(RuntimeError, match="not every replica reached 'reported' after the drain"):
+        waiting.barrier("reported")
+    merging = threading.Timer(0.5, _replica(0, 2, store).barrier, args=("merged",))
+    merging.start()
+    start = time.monotonic()
+    waiting.barrier("merged", give_up_after_drain=False)
+    assert time.monotonic() - start >= 0.4
+    merging.join()

@@ -91,18 +91,35 @@ class Replicas:
                 self._drain_published = True
                 drain.request(int(self.store.get(key)), source="another replica")
 
-    def barrier(self, name: str) -> None:
-        """Wait until every replica got here (no timeout: replicas finish their share at different times). Callers
-        keep their TP workers waiting meanwhile (``LLM.workers_kept_waiting``)."""
+    def fail(self, exc: BaseException) -> None:
+        """Tell the other replicas that this one stops on ``exc``, so their barriers end now rather than wait for
+        it (on another node nothing else would end them); the first failure's reason is kept."""
         if self.store is None:
             return
-        key = f"{self.prefix}/{name}"
+        key = f"{self.prefix}/failed"
+        try:
+            if not self.store.check([key]):
+                self.store.set(key, f"replica {self.index}: {type(exc).__name__}: {exc}"[:1000])
+        except Exception:  # noqa: BLE001 (the store may have gone down with the failure; nothing more to tell)
+            pass
+
+    def barrier(self, name: str, give_up_after_drain: bool = True) -> None:
+        """Wait until every replica got here (no timeout: replicas finish their share at different times), or
+        until one says it failed. Callers keep their TP workers waiting meanwhile (``LLM.workers_kept_waiting``).
+        ``give_up_after_drain``: stop waiting a while after a drain, for a replica that may never come."""
+        if self.store is None:
+            return
+        key, failed = f"{self.prefix}/{name}", f"{self.prefix}/failed"
         self.store.add(key, 1)
         delay = 0.001
         while self.store.add(key, 0) < self.count:
             time.sleep(delay)
             delay = min(delay * 2, 0.2)
-            if self.drain is not None and self.drain.expired(self.drain_timeout_s + BARRIER_GRACE_S):
+            if self.store.check([failed]):
+                raise RuntimeError(f"{self.store.get(failed).decode(errors='replace')}; replicas stop with it (at "
+                                   f"'{name}'); finished rows are on disk")
+            if give_up_after_drain and self.drain is not None and \
+                    self.drain.expired(self.drain_timeout_s + BARRIER_GRACE_S):
                 raise RuntimeError(f"not every replica reached '{name}' after the drain; finished rows are on disk")
 
     def gather(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
