@@ -247,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rank {rank}: interrupted (a second Ctrl-C); finished rows are on disk", file=sys.stderr, flush=True)
         exit_now(130)
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as exc:
+        from runtime.frontend.replicas import announce_failure
+
+        announce_failure(exc)  # other replicas, on other nodes too, stop waiting for this one
         # A config error is the same on every rank: rank 0 says it, once.
         if rank == 0 or not isinstance(exc, ValueError):
             print(f"error on rank {rank}: {exc}", file=sys.stderr, flush=True)

@@ -88,8 +88,10 @@ def end_with_the_agent() -> None:
     if not sys.platform.startswith("linux"):
         return
     pr_set_pdeathsig = 1
-    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0) == 0 and os.getppid() == 1:
-        os.kill(os.getpid(), signal.SIGTERM)  # the agent was gone before the request took effect
+    agent = os.getppid()  # may be pid 1 and alive: torchrun as a container's entry point
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0) == 0 \
+            and os.getppid() != agent:
+        os.kill(os.getpid(), signal.SIGTERM)  # the agent died before the request took effect
 
 
 def shutdown_distributed() -> None:

@@ -251,6 +251,18 @@ def test_a_fused_projection_with_parts_of_two_precisions_is_refused_under_auto(b
     assert dense["1.qkv_proj"][0].dtype == torch.float32 and dense["1.qkv_proj"][1] is None
 
 
+def test_a_pre_quantised_config_over_unquantised_tensors_is_quantised_at_load(base_dir, tmp_path):
+    """What scripts/make_random_checkpoint.py writes for an FP8 model's config: the tensors are the model dtype's.
+    It runs as model.random_weights=true runs that config, every projection in FP8, and as quantised at load."""
+    config = _compressed_tensors({"group_0": (["Linear"], _ct_weights("channel"))}, ignore=["lm_head"])
+    ckpt_dir = _write_fp8(base_dir, tmp_path / "unquantised", config, lambda name: None)
+    assert not any(t.dtype == fp8.FP8 for t in _checkpoint(ckpt_dir).values())
+    ours, at_load = _stored(_load(ckpt_dir, "auto")), _stored(_load(base_dir, "fp8"))
+    for key, (weight, scale) in ours.items():
+        assert weight.dtype == fp8.FP8 and torch.equal(_bits(weight), _bits(at_load[key][0])), key
+        assert torch.equal(scale, at_load[key][1]), key
+
+
 def test_auto_leaves_an_unquantised_checkpoint_in_the_model_dtype(base_dir):
     assert ModelConfig.from_dir(base_dir).quantization == "auto"
     weight, scale = _stored(_load(base_dir, "auto"))["0.qkv_proj"]
@@ -307,13 +319,17 @@ def test_block_checkpoint_is_requantised_per_row_and_gives_the_dequantised_model
 
 
 @pytest.mark.parametrize("strategy", ["channel", "tensor", "block"])
-def test_quantization_none_dequantises_an_fp8_checkpoint(base_dir, tmp_path, strategy):
+def test_quantization_none_dequantises_an_fp8_checkpoint(base_dir, tmp_path, strategy, caplog):
     block = [BLOCK, BLOCK] if strategy == "block" else None
     config = _compressed_tensors({"group_0": (["Linear"], _ct_weights(strategy, block))}, ignore=[],
                                  fmt="naive-quantized")
     ckpt_dir = _write_fp8(base_dir, tmp_path / strategy, config, _projections_and_head(strategy))
     ckpt = _checkpoint(ckpt_dir)
-    model = _load(ckpt_dir, "none")
+    with caplog.at_level(logging.INFO, logger="models.weights.loader"):
+        model = _load(ckpt_dir, "none")
+    said = [r.getMessage() for r in caplog.records]
+    assert any("FP8 weights dequantised to torch.float32" in m for m in said), said
+    assert not any("re-quantised" in m for m in said), said  # the log says what was done, only that
     for key, (weight, scale) in _stored(model).items():
         assert scale is None and weight.dtype == torch.float32, key
         assert torch.equal(weight, _expected(ckpt, key, "weight_scale")), key

@@ -218,3 +218,25 @@ def test_nproc_per_node_below_one_is_refused():
     proc = subprocess.run([sys.executable, "launch.py", "--nproc-per-node", "0"], cwd=REPO, env=_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--nproc-per-node must be at least 1" in proc.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+@pytest.mark.parametrize("parent", ["alive", "pid 1 and alive", "gone"])
+def test_a_rank_ends_with_its_agent_only_when_the_agent_is_gone(parent):
+    """A rank under torchrun asks for SIGTERM when its parent (the agent) dies. Its parent may be pid 1 and alive
+    (torchrun as a container's entry point): that rank must run on. One whose parent changed meanwhile (the agent
+    died before the request took effect) is ended at once."""
+    probe = f"""
+import os
+parents = {{"alive": [os.getppid()] * 2, "pid 1 and alive": [1, 1], "gone": [os.getppid(), 1]}}[{parent!r}]
+os.getppid = lambda: parents.pop(0)
+from parallel.distributed import end_with_the_agent
+end_with_the_agent()
+print("running on")
+"""
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    if parent == "gone":
+        assert proc.returncode == -signal.SIGTERM and "running on" not in proc.stdout
+    else:
+        assert proc.returncode == 0 and "running on" in proc.stdout, proc.stderr[-2000:]

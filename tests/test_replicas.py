@@ -60,23 +60,28 @@ def test_a_leader_waiting_at_a_barrier_pings_its_workers_inside_their_timeout(mo
     assert all(t <= left for t in pings)  # none once the leader is back
 
 
-def test_a_replica_that_fails_ends_the_others_barriers_with_its_reason() -> None:
-    """Without it a replica on another node, which no launcher stops, would wait at the barrier for ever."""
+def test_a_replica_that_fails_ends_the_others_barriers_with_its_reason(monkeypatch) -> None:
+    """Without it a replica on another node, which no launcher stops, would wait at the barrier for ever. The
+    failure may come before the replica's job started (its model load), so any barrier of the attempt ends."""
     import threading
     import time
+    from types import SimpleNamespace
 
     import pytest
 
     store = dist.HashStore()
-    waiting, failing = _replica(0, 2, store), _replica(1, 2, store)
-    fails = threading.Timer(0.3, failing.fail, args=(ValueError("row 7 broke it"),))
+    monkeypatch.setattr(replicas_module, "get_tp", lambda: SimpleNamespace(dp_rank=1, dp_size=2))
+    monkeypatch.setattr(replicas_module, "get_store", lambda: store)
+    waiting = _replica(0, 2, store)
+    fails = threading.Timer(0.3, replicas_module.announce_failure, args=(ValueError("row 7 broke it"),))
     fails.start()
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"replica 1: ValueError: row 7 broke it; replicas stop with it \(at 'planned'\)"):
+    with pytest.raises(RuntimeError, match=r"replica 1: ValueError: row 7 broke it; replicas stop with it "
+                                           r"\(at 'planned'\)"):
         waiting.barrier("planned")
     assert time.monotonic() - start < 2.0
     fails.join()
-    failing.fail(RuntimeError("a later failure"))  # the first reason is the one kept
+    replicas_module.announce_failure(RuntimeError("a later failure"))  # the first reason is the one kept
     with pytest.raises(RuntimeError, match="row 7 broke it"):
         _replica(0, 2, store).barrier("merged")
 

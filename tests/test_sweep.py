@@ -376,6 +376,8 @@ def test_split_top_level_keeps_lists_and_quotes_whole():
     # An apostrophe inside a word is a letter, not the start of a quoted value.
     assert split_top_level("[don't],[can't]") == ["[don't]", "[can't]"]
     assert split_top_level("it's,'a,b', {k: 'c,d'}") == ["it's", "'a,b'", " {k: 'c,d'}"]
+    assert split_top_level("'it''s,x',y") == ["'it''s,x'", "y"]  # YAML's '' is a quote inside single quotes
+    assert split_top_level("'',x") == ["''", "x"]
 
 
 def test_the_name_template_reads_config_keys_and_path_parts(model_dir, rows, tmp_path):

@@ -216,6 +216,10 @@ def dense_projections(path: Path, index: dict[str, TensorInfo], cfg: ModelConfig
     which are what the lists describe. Parts of one fused projection must agree: it has one weight dtype."""
     if cfg.quantization != "auto" or not cfg.fp8:
         return frozenset()
+    if not any(info.dtype == FP8_DTYPE for info in index.values()):
+        # A pre-quantised config over unquantised tensors (scripts/make_random_checkpoint.py writes such): quantised
+        # at load, as model.random_weights=true runs that config.
+        return frozenset()
     dense = set()
     for layer in range(cfg.num_layers):
         for ours, parts in _PROJECTION_PARTS.items():
@@ -313,11 +317,11 @@ def _scale_shapes(quant: Fp8Checkpoint, weight: tuple[int, ...]) -> dict[str, li
 def _log_fp8_loading(path: Path, cfg: ModelConfig, layout: Fp8Layout, dtype: torch.dtype) -> None:
     if get_tp().rank != 0 or not layout.scales:
         return
-    if not cfg.fp8:
-        log.info("%s: FP8 weights dequantised to %s (model.quantization=%s)", path, dtype, cfg.quantization)
     if cfg.dense_projections:
         log.info("%s: %d projections stored unquantised keep %s, as published (model.quantization=fp8 quantises "
                  "them too)", path, len(cfg.dense_projections), dtype)
+    if not cfg.fp8:
+        log.info("%s: FP8 weights dequantised to %s (model.quantization=%s)", path, dtype, cfg.quantization)
     elif any(strategy == "block" for _, strategy in layout.scales.values()):
         log.info("%s: FP8 weights scaled per block re-quantised with a scale per row", path)
     if layout.activation_scales:

@@ -36,7 +36,7 @@ from runtime.frontend.job_files import (
 )
 from runtime.frontend.job_inputs import JobInput, check_output, open_input, output_format
 from runtime.frontend.output_lock import OutputLock, lock_path, part_locks
-from runtime.frontend.replicas import Replicas
+from runtime.frontend.replicas import Replicas, announce_failure
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -90,7 +90,7 @@ def run_job(llm: Any, config_yaml: str, output_locked: bool = False) -> dict[str
             with llm.workers_kept_waiting():
                 replicas.barrier("merged", give_up_after_drain=False)
     except BaseException as exc:
-        replicas.fail(exc)
+        announce_failure(exc)
         raise
     return metrics
 

@@ -21,6 +21,30 @@ PROGRESS_PUSH_S = 0.5
 _jobs_started = 0  # every leader runs the same jobs in order: the n-th job's keys are shared
 
 
+def _attempt() -> str:
+    return f"tpinfer/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def _failure_key() -> str:
+    # One per attempt, not per job: a replica may fail before its job starts (loading its model), and a failed
+    # run of a multi-rank sweep stops the sweep, so no later job reads it.
+    return f"{_attempt()}/failed"
+
+
+def announce_failure(exc: BaseException) -> None:
+    """Tell the other replicas that this one stops on ``exc``, so their barriers end now rather than wait for it
+    (on another node nothing else would end them); the first failure's reason is kept."""
+    info = get_tp()
+    store = get_store() if info.dp_size > 1 else None
+    if store is None:
+        return
+    try:
+        if not store.check([_failure_key()]):
+            store.set(_failure_key(), f"replica {info.dp_rank}: {type(exc).__name__}: {exc}"[:1000])
+    except Exception:  # noqa: BLE001 (the store may have gone down with the failure; nothing more to tell)
+        pass
+
+
 def number_next_job(number: int) -> None:
     """The next job's number, for ranks that did not all start each job (a sweep), so all name the same keys."""
     global _jobs_started
@@ -34,7 +58,7 @@ class Replicas:
         info = get_tp()
         self.index, self.count = info.dp_rank, info.dp_size
         self.store = get_store() if self.count > 1 else None
-        self.prefix = f"tpinfer/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/job{_jobs_started}"
+        self.prefix = f"{_attempt()}/job{_jobs_started}"
         self.drain, self.drain_timeout_s = drain, drain_timeout_s
         self._claimed = 0
         self._drain_published = False
@@ -91,25 +115,13 @@ class Replicas:
                 self._drain_published = True
                 drain.request(int(self.store.get(key)), source="another replica")
 
-    def fail(self, exc: BaseException) -> None:
-        """Tell the other replicas that this one stops on ``exc``, so their barriers end now rather than wait for
-        it (on another node nothing else would end them); the first failure's reason is kept."""
-        if self.store is None:
-            return
-        key = f"{self.prefix}/failed"
-        try:
-            if not self.store.check([key]):
-                self.store.set(key, f"replica {self.index}: {type(exc).__name__}: {exc}"[:1000])
-        except Exception:  # noqa: BLE001 (the store may have gone down with the failure; nothing more to tell)
-            pass
-
     def barrier(self, name: str, give_up_after_drain: bool = True) -> None:
         """Wait until every replica got here (no timeout: replicas finish their share at different times), or
         until one says it failed. Callers keep their TP workers waiting meanwhile (``LLM.workers_kept_waiting``).
         ``give_up_after_drain``: stop waiting a while after a drain, for a replica that may never come."""
         if self.store is None:
             return
-        key, failed = f"{self.prefix}/{name}", f"{self.prefix}/failed"
+        key, failed = f"{self.prefix}/{name}", _failure_key()
         self.store.add(key, 1)
         delay = 0.001
         while self.store.add(key, 0) < self.count:

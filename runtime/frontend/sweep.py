@@ -409,6 +409,9 @@ class _Sweeper:
                 except Exception as exc:  # noqa: BLE001 - a run's failure is recorded; KeyboardInterrupt is not one
                     self.fail(run, exc, began, time.perf_counter() - started)
                     if self.world_size > 1:
+                        from runtime.frontend.replicas import announce_failure
+
+                        announce_failure(exc)  # other replicas may be waiting for this one at a barrier
                         raise SweepStopped(self.stop_message(run)) from exc
                     if llm is not None:  # its state after a failure is unknown
                         llm.shutdown()

@@ -179,10 +179,13 @@ def shorthand_sweep(configs: list[str], items: list[str], out: str | None = None
 def split_top_level(text: str) -> list[str]:
     """'a,b' -> ['a', 'b']; commas inside brackets, braces or quotes stay. A quote opens only where a value
     starts, as in the override grammar: the apostrophe of don't,can't is a letter."""
-    parts, depth, quote, start, prev = [], 0, "", 0, ","
+    parts, depth, quote, start, prev, escaped = [], 0, "", 0, ",", False
     for i, ch in enumerate(text):
-        if quote:
-            quote = "" if ch == quote else quote
+        if escaped:  # the second quote of YAML's '' inside single quotes
+            escaped = False
+        elif quote:
+            escaped = quote == ch == "'" and text[i + 1 : i + 2] == "'"
+            quote = quote if escaped or ch != quote else ""
         elif ch in "'\"" and prev in ",[{:":
             quote = ch
         elif ch in "[{":
