@@ -7,12 +7,17 @@ import datetime
 import os
 import signal
 import sys
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from parallel.state import TPInfo, get_cpu_group, get_tp, set_tp
+from parallel.state import TPInfo, get_cpu_group, get_store, get_tp, set_tp
+
+HEARTBEAT_S = 2.0  # how often each rank counts up its heartbeat in the store
+_heartbeat: threading.Thread | None = None
 
 
 @dataclass(frozen=True)
@@ -78,7 +83,34 @@ def init_distributed(use_cuda: bool, timeout_s: int, env: TorchrunEnv | None = N
             if replica == info.dp_rank:
                 device_group, cpu_group = device, cpu
     set_tp(info, device_group, cpu_group)
+    start_heartbeat(env.rank)
     return info
+
+
+def heartbeat_key(global_rank: int) -> str:
+    return f"tpinfer/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/alive/{global_rank}"
+
+
+def start_heartbeat(global_rank: int) -> None:
+    """Count up this rank's heartbeat in the store every ``HEARTBEAT_S`` while the process lives (a daemon thread;
+    TCPStore serialises its calls), so a replica waiting for another can tell a slow one (loading, merging) from
+    one that is gone without a word (killed by the OOM killer, its node lost), where no launcher ends the rest."""
+    global _heartbeat
+    store = get_store()
+    if _heartbeat is not None or store is None:
+        return
+
+    def beat() -> None:
+        key = heartbeat_key(global_rank)
+        while True:
+            try:
+                store.add(key, 1)
+            except Exception:  # noqa: BLE001 (the store is gone, and the job with it)
+                return
+            time.sleep(HEARTBEAT_S)
+
+    _heartbeat = threading.Thread(target=beat, name="tpinfer-heartbeat", daemon=True)
+    _heartbeat.start()
 
 
 def end_with_the_agent() -> None:

@@ -70,7 +70,7 @@ def test_a_replica_that_fails_ends_the_others_barriers_with_its_reason(monkeypat
     import pytest
 
     store = dist.HashStore()
-    monkeypatch.setattr(replicas_module, "get_tp", lambda: SimpleNamespace(dp_rank=1, dp_size=2))
+    monkeypatch.setattr(replicas_module, "get_tp", lambda: SimpleNamespace(dp_rank=1, dp_size=2, size=1))
     monkeypatch.setattr(replicas_module, "get_store", lambda: store)
     waiting = _replica(0, 2, store)
     fails = threading.Timer(0.3, replicas_module.announce_failure, args=(ValueError("row 7 broke it"),))
@@ -108,3 +108,43 @@ def test_the_last_barrier_waits_for_replica_0_past_a_drains_timeout() -> None:
     waiting.barrier("merged", give_up_after_drain=False)
     assert time.monotonic() - start >= 0.4
     merging.join()
+
+
+def test_a_barrier_ends_when_a_replica_falls_silent_not_when_it_is_slow(monkeypatch) -> None:
+    """A replica killed without a word (the OOM killer, a lost node) stops counting its leader's heartbeat: the
+    others stop waiting after SILENT_S. One whose heartbeat moves is waited for, however long it takes."""
+    import threading
+    import time
+
+    import pytest
+
+    from parallel.distributed import heartbeat_key
+
+    monkeypatch.setattr(replicas_module, "SILENT_S", 0.6)
+    monkeypatch.setattr(replicas_module, "HEARD_POLL_S", 0.05)
+    store = dist.HashStore()
+    waiting = _replica(0, 3, store)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"replica 1 has not been heard from for 1 s .* \(at 'reported'\)"):
+        waiting.barrier("reported")  # replicas 1 and 2 never beat
+    assert time.monotonic() - start < 3.0
+
+    stop = threading.Event()
+
+    def beat(rank: int) -> None:  # as parallel.distributed.start_heartbeat does, faster
+        while not stop.is_set():
+            store.add(heartbeat_key(rank), 1)
+            time.sleep(0.1)
+
+    beats = [threading.Thread(target=beat, args=(rank,), daemon=True) for rank in (1, 2)]
+    for thread in beats:
+        thread.start()
+    late = [threading.Timer(2.0, _replica(r, 3, store).barrier, args=("merged",)) for r in (1, 2)]
+    for timer in late:
+        timer.start()
+    start = time.monotonic()
+    waiting.barrier("merged")  # slow (2 s, past SILENT_S) but alive: waited for
+    assert time.monotonic() - start >= 1.9
+    stop.set()
+    for thread in [*beats, *late]:
+        thread.join()

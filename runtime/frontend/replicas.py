@@ -12,10 +12,14 @@ import os
 import time
 from typing import Any
 
+from parallel.distributed import heartbeat_key
 from parallel.state import get_store, get_tp
 from runtime.frontend.signals import Drain
 
 BARRIER_GRACE_S = 10.0  # after a drain's timeout, how long a barrier still waits
+# A replica whose leader's heartbeat (parallel.distributed.start_heartbeat) stood still this long is gone.
+SILENT_S = 120.0
+HEARD_POLL_S = 1.0
 DRAIN_POLL_S = 0.5
 PROGRESS_PUSH_S = 0.5
 _jobs_started = 0  # every leader runs the same jobs in order: the n-th job's keys are shared
@@ -56,7 +60,7 @@ class Replicas:
         global _jobs_started
         _jobs_started += 1
         info = get_tp()
-        self.index, self.count = info.dp_rank, info.dp_size
+        self.index, self.count, self.tp_size = info.dp_rank, info.dp_size, info.size
         self.store = get_store() if self.count > 1 else None
         self.prefix = f"{_attempt()}/job{_jobs_started}"
         self.drain, self.drain_timeout_s = drain, drain_timeout_s
@@ -124,15 +128,37 @@ class Replicas:
         key, failed = f"{self.prefix}/{name}", _failure_key()
         self.store.add(key, 1)
         delay = 0.001
+        heard: dict[int, tuple[int, float]] = {}  # other replicas: (heartbeat count, when it last moved)
+        last_poll = float("-inf")
         while self.store.add(key, 0) < self.count:
             time.sleep(delay)
             delay = min(delay * 2, 0.2)
             if self.store.check([failed]):
                 raise RuntimeError(f"{self.store.get(failed).decode(errors='replace')}; replicas stop with it (at "
                                    f"'{name}'); finished rows are on disk")
+            now = time.monotonic()
+            if now - last_poll >= HEARD_POLL_S:
+                last_poll = now
+                silent = self._silent_replica(heard, now)
+                if silent is not None:
+                    raise RuntimeError(f"replica {silent} has not been heard from for {SILENT_S:.0f} s (killed, or "
+                                       f"its node lost); replicas stop (at '{name}'); finished rows are on disk")
             if give_up_after_drain and self.drain is not None and \
                     self.drain.expired(self.drain_timeout_s + BARRIER_GRACE_S):
                 raise RuntimeError(f"not every replica reached '{name}' after the drain; finished rows are on disk")
+
+    def _silent_replica(self, heard: dict[int, tuple[int, float]], now: float) -> int | None:
+        """The first other replica whose leader's heartbeat has not moved for ``SILENT_S``, else None."""
+        for replica in range(self.count):
+            if replica == self.index:
+                continue
+            count = self.store.add(heartbeat_key(replica * self.tp_size), 0)
+            before = heard.get(replica)
+            if before is None or count != before[0]:
+                heard[replica] = (count, now)
+            elif now - before[1] > SILENT_S:
+                return replica
+        return None
 
     def gather(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
         """Every replica's ``mine``, in replica order (all replicas call it; a barrier included)."""
