@@ -241,15 +241,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with held:
             tp = init_distributed(wants_cuda(cfg.engine.device), cfg.parallel.timeout_s, tp_size=cfg.parallel.tp_size)
-            code = run_leader(cfg, args.serve, locked) if tp.rank == 0 else run_worker(cfg)
+            try:
+                code = run_leader(cfg, args.serve, locked) if tp.rank == 0 else run_worker(cfg)
+            except BaseException as exc:
+                from runtime.frontend.replicas import announce_failure
+
+                announce_failure(exc)  # other replicas, on other nodes too, stop waiting for this one
+                raise
             report_peak_memory(tp.global_rank)
     except KeyboardInterrupt:
         print(f"rank {rank}: interrupted (a second Ctrl-C); finished rows are on disk", file=sys.stderr, flush=True)
         exit_now(130)
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as exc:
-        from runtime.frontend.replicas import announce_failure
-
-        announce_failure(exc)  # other replicas, on other nodes too, stop waiting for this one
         # A config error is the same on every rank: rank 0 says it, once.
         if rank == 0 or not isinstance(exc, ValueError):
             print(f"error on rank {rank}: {exc}", file=sys.stderr, flush=True)

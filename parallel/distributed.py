@@ -87,8 +87,13 @@ def init_distributed(use_cuda: bool, timeout_s: int, env: TorchrunEnv | None = N
     return info
 
 
+def attempt_key(name: str) -> str:
+    """``name`` in the store under this torchrun attempt, so a restarted job never reads its last attempt's keys."""
+    return f"tpinfer/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}"
+
+
 def heartbeat_key(global_rank: int) -> str:
-    return f"tpinfer/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/alive/{global_rank}"
+    return attempt_key(f"alive/{global_rank}")
 
 
 def start_heartbeat(global_rank: int) -> None:

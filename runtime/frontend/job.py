@@ -36,7 +36,7 @@ from runtime.frontend.job_files import (
 )
 from runtime.frontend.job_inputs import JobInput, check_output, open_input, output_format
 from runtime.frontend.output_lock import OutputLock, lock_path, part_locks
-from runtime.frontend.replicas import Replicas, announce_failure
+from runtime.frontend.replicas import Replicas
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -60,38 +60,34 @@ def run_job(llm: Any, config_yaml: str, output_locked: bool = False) -> dict[str
     paths.check_writable()
     start = time.perf_counter()
     replicas = Replicas(llm.drain, job.drain_timeout_s)
-    try:
-        with ExitStack() as held:
-            with llm.workers_kept_waiting():  # opening a large table can take a while too
-                source = open_input(paths.input, job, llm.default_sampling())
-                out_format = output_format(paths.output, source)
-                todo = prepare(job, paths, out_format, source, replicas, held, config_yaml, output_locked)
-            if llm.drain is not None and replicas.store is not None:
-                llm.drain.sync = replicas.share_drain  # through the last barrier too: it gives up after a shared drain
-            try:
-                mine = serve(llm, replicas, paths, todo, out_format, source)
-                with llm.workers_kept_waiting():
-                    reports = replicas.gather(mine)
-                    if replicas.first:
-                        merge_output(paths.output, out_format, job.row_group_rows)
-                        merge_parts(paths.errors, results=False)
-            finally:
-                if llm.drain is not None:
-                    llm.drain.sync = None
-            metrics = summarize(reports, time.perf_counter() - start, config_yaml)
-            metrics.update(input_format=source.format, output_format=out_format)
-            if source.id_note:
-                metrics["ids"] = source.id_note
-            if replicas.first:
-                paths.metrics.parent.mkdir(parents=True, exist_ok=True)
-                paths.metrics.write_text(json.dumps(metrics, indent=2) + "\n")
-            # The others leave with replica 0, not before its merge: a launcher that ends every task once one exits
-            # non-zero (srun --kill-on-bad-exit, after a drain's 143) would otherwise cut the merge and the metrics.
+    with ExitStack() as held:
+        with llm.workers_kept_waiting():  # opening a large table can take a while too
+            source = open_input(paths.input, job, llm.default_sampling())
+            out_format = output_format(paths.output, source)
+            todo = prepare(job, paths, out_format, source, replicas, held, config_yaml, output_locked)
+        if llm.drain is not None and replicas.store is not None:
+            llm.drain.sync = replicas.share_drain  # through the last barrier too: it gives up after a shared drain
+        try:
+            mine = serve(llm, replicas, paths, todo, out_format, source)
             with llm.workers_kept_waiting():
-                replicas.barrier("merged", give_up_after_drain=False)
-    except BaseException as exc:
-        announce_failure(exc)
-        raise
+                reports = replicas.gather(mine)
+                if replicas.first:
+                    merge_output(paths.output, out_format, job.row_group_rows)
+                    merge_parts(paths.errors, results=False)
+        finally:
+            if llm.drain is not None:
+                llm.drain.sync = None
+        metrics = summarize(reports, time.perf_counter() - start, config_yaml)
+        metrics.update(input_format=source.format, output_format=out_format)
+        if source.id_note:
+            metrics["ids"] = source.id_note
+        if replicas.first:
+            paths.metrics.parent.mkdir(parents=True, exist_ok=True)
+            paths.metrics.write_text(json.dumps(metrics, indent=2) + "\n")
+        # The others leave with replica 0, not before its merge: a launcher that ends every task once one exits
+        # non-zero (srun --kill-on-bad-exit, after a drain's 143) would otherwise cut the merge and the metrics.
+        with llm.workers_kept_waiting():
+            replicas.barrier("merged", give_up_after_drain=False)
     return metrics
 
 

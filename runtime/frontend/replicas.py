@@ -8,11 +8,10 @@ its previous attempt's counters.
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Any
 
-from parallel.distributed import heartbeat_key
+from parallel.distributed import attempt_key, heartbeat_key
 from parallel.state import get_store, get_tp
 from runtime.frontend.signals import Drain
 
@@ -25,14 +24,10 @@ PROGRESS_PUSH_S = 0.5
 _jobs_started = 0  # every leader runs the same jobs in order: the n-th job's keys are shared
 
 
-def _attempt() -> str:
-    return f"tpinfer/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-
-
 def _failure_key() -> str:
     # One per attempt, not per job: a replica may fail before its job starts (loading its model), and a failed
     # run of a multi-rank sweep stops the sweep, so no later job reads it.
-    return f"{_attempt()}/failed"
+    return attempt_key("failed")
 
 
 def announce_failure(exc: BaseException) -> None:
@@ -62,7 +57,7 @@ class Replicas:
         info = get_tp()
         self.index, self.count, self.tp_size = info.dp_rank, info.dp_size, info.size
         self.store = get_store() if self.count > 1 else None
-        self.prefix = f"{_attempt()}/job{_jobs_started}"
+        self.prefix = attempt_key(f"job{_jobs_started}")
         self.drain, self.drain_timeout_s = drain, drain_timeout_s
         self._claimed = 0
         self._drain_published = False

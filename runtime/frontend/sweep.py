@@ -287,7 +287,9 @@ class _Sweeper:
         self.jobs = 0  # the same count on every rank
         self.todo: list[Run] = []  # in the order they run
         self.last_run: Run | None = None  # a signal after its last row leaves nothing to resume
-        self.prefix = f"tpinfer/sweep/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        from parallel.distributed import attempt_key
+
+        self.prefix = attempt_key("sweep")
 
     def run(self, only: int | None) -> int:
         from runtime.frontend.signals import Drain, restore_default_signals
@@ -307,10 +309,15 @@ class _Sweeper:
                     break
             if self.writer:
                 self.finish(only, stopped)
-        except SweepStopped as exc:
+        except SweepStopped as exc:  # its run's failure was announced where it was caught
             if self.writer:
                 self.finish(only, stopped=False)
             print(f"rank {self.rank}: {exc}", file=sys.stderr, flush=True)
+            raise
+        except BaseException as exc:  # outside a run: a follower's engine, the agreement on what to run
+            from runtime.frontend.replicas import announce_failure
+
+            announce_failure(exc)
             raise
         finally:
             restore_default_signals()
