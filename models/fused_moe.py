@@ -86,13 +86,15 @@ if triton is not None:
         tl.store(sorted_ptr + dest, pairs, mask=ok)
 
     @triton.jit
-    def _expert_matmul(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_w_ptr,
+    def _expert_matmul(a_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr, route_w_ptr,
                        num_pairs, N, K, expert_stride, TOP_K: tl.constexpr, GATE_UP: tl.constexpr, PRECISION: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """One BLOCK_M x BLOCK_N tile of one expert's rows: ``out[pair] = f(A[row] @ W[expert].T)``.
 
         GATE_UP: A is the tokens (a pair's row is its token), W holds N gate rows then N up rows, f is SiLU(gate) x up.
-        Otherwise A is the pairs' activations and f scales by the pair's router weight."""
+        Otherwise A is the pairs' activations and f scales by the pair's router weight. SCALED: W is e4m3, widened
+        exactly to A's dtype for the tensor cores, and each output column's product is scaled by its row of
+        ``w_scale`` ([experts, rows of W], float32) before f."""
         pid = tl.program_id(0)
         tiles_n = tl.cdiv(N, BLOCK_N)
         block, tile = pid // tiles_n, pid % tiles_n
@@ -116,11 +118,23 @@ if triton is not None:
             k_ok = (k0 + kk) < K
             a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
             w_ok = k_ok[:, None] & n_ok[None, :]
-            acc = tl.dot(a, tl.load(w_ptrs, mask=w_ok, other=0.0), acc, input_precision=PRECISION)
+            w = tl.load(w_ptrs, mask=w_ok, other=0.0)
+            if SCALED:
+                w = w.to(a_ptr.dtype.element_ty)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
             if GATE_UP:
-                up = tl.dot(a, tl.load(w_ptrs + N * K, mask=w_ok, other=0.0), up, input_precision=PRECISION)
+                w_up = tl.load(w_ptrs + N * K, mask=w_ok, other=0.0)
+                if SCALED:
+                    w_up = w_up.to(a_ptr.dtype.element_ty)
+                up = tl.dot(a, w_up, up, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        if SCALED:
+            rows_of_w = (2 if GATE_UP else 1) * N
+            scale_ptrs = w_scale_ptr + expert * rows_of_w + n
+            acc = acc * tl.load(scale_ptrs, mask=n_ok, other=0.0)[None, :]
+            if GATE_UP:
+                up = up * tl.load(scale_ptrs + N, mask=n_ok, other=0.0)[None, :]
         if GATE_UP:
             acc = acc * tl.sigmoid(acc) * up
         else:
@@ -175,10 +189,13 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int, tou
 
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-              renormalize: bool, touched: torch.Tensor | None = None) -> torch.Tensor:
+              renormalize: bool, touched: torch.Tensor | None = None, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``sum_k weight_k * down_k(SiLU(gate_k(x)) * up_k(x))`` over each token's top-k experts; ``w13`` is
     [experts, 2 * intermediate, hidden] (gate rows, then up rows), ``w2`` [experts, hidden, intermediate].
-    ``touched`` (int64, one element), if given, gains the number of distinct experts this call used."""
+    ``touched`` (int64, one element), if given, gains the number of distinct experts this call used. With
+    ``w13_scale`` [experts, 2 * intermediate] and ``w2_scale`` [experts, hidden] (float32), the weights are e4m3
+    and each expert's weight is ``w * scale[:, None]``."""
     tokens, hidden = x.shape
     experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -189,11 +206,16 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     precision = "ieee" if x.dtype == torch.float32 else None
     x = x.contiguous()
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    scaled = w13_scale is not None
+    if scaled != (w2_scale is not None):
+        raise ValueError("fused_moe takes scales for both w13 and w2 (e4m3 weights) or for neither")
     _expert_matmul[(max_blocks * triton.cdiv(inter, block_n),)](
-        x, w13, act, sorted_pairs, block_expert, total, weights, num_pairs, inter, hidden, w13.stride(0), top_k, True, precision,
-        block_m, block_n, BLOCK_K, num_warps=warps, num_stages=stages)
+        x, w13, w13_scale if scaled else weights, act, sorted_pairs, block_expert, total, weights, num_pairs, inter,
+        hidden, w13.stride(0), top_k, True, precision, scaled, block_m, block_n, BLOCK_K, num_warps=warps,
+        num_stages=stages)
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _expert_matmul[(max_blocks * triton.cdiv(hidden, block_n),)](
-        act, w2, out, sorted_pairs, block_expert, total, weights, num_pairs, hidden, inter, w2.stride(0), top_k, False, precision,
-        block_m, block_n, BLOCK_K, num_warps=warps, num_stages=stages)
+        act, w2, w2_scale if scaled else weights, out, sorted_pairs, block_expert, total, weights, num_pairs, hidden,
+        inter, w2.stride(0), top_k, False, precision, scaled, block_m, block_n, BLOCK_K, num_warps=warps,
+        num_stages=stages)
     return out.view(tokens, top_k, hidden).sum(dim=1)

@@ -87,7 +87,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, kernels)
         sparse = cfg.is_sparse(layer_id)
-        self.mlp = SparseMoE(cfg, kernels) if sparse else LlamaMLP(cfg, layer_id, kernels)
+        self.mlp = SparseMoE(cfg, layer_id, kernels) if sparse else LlamaMLP(cfg, layer_id, kernels)
         # A norm quantises its output where the projection it feeds stores e4m3 weights.
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels, quantize=self.self_attn.qkv_proj.fp8)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels,

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from models import fused_moe
+from models import fp8, fused_moe
 from models.config import ModelConfig
-from models.layers import SliceSource, copy_into, divide, load_replicated, new_param
+from models.layers import SliceSource, as_fp8_rows, copy_into, divide, load_replicated, new_param
 from models.ops import Kernels
 from parallel import all_reduce, get_tp
 
@@ -72,22 +72,43 @@ def hf_expert_tensors(cfg: ModelConfig, layer: int, w13: torch.Tensor, w2: torch
 
 class Experts(nn.Module):
     """Every expert's gate/up (``w13``: [experts, 2 * local intermediate, hidden]) and down (``w2``: [experts,
-    hidden, local intermediate]) for this rank's slice of the intermediate dimension."""
+    hidden, local intermediate]) for this rank's slice of the intermediate dimension; ``quantized``: in e4m3 with
+    a float32 scale per output row (``w13_scale``, ``w2_scale``), as the dense FP8 layers store theirs. The
+    activations stay in the model dtype (weight-only): decode reads half the bytes, and no per-token scale of the
+    intermediate rows is needed between the two grouped GEMMs."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, key: str) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, key: str, quantized: bool = False) -> None:
         super().__init__()
         self.local = divide(intermediate, get_tp().size, key)  # ``key``: the config.json field errors name
-        self.w13 = new_param(num_experts, 2 * self.local, hidden, loader=self._load)
-        self.w2 = new_param(num_experts, hidden, self.local, loader=self._load)
+        dtype = fp8.FP8 if quantized else None
+        self.w13 = new_param(num_experts, 2 * self.local, hidden, loader=self._load, dtype=dtype)
+        self.w2 = new_param(num_experts, hidden, self.local, loader=self._load, dtype=dtype)
+        self.w13_scale = new_param(num_experts, 2 * self.local, loader=None, dtype=torch.float32) if quantized else None
+        self.w2_scale = new_param(num_experts, hidden, loader=None, dtype=torch.float32) if quantized else None
 
     def _load(self, param: torch.Tensor, source: SliceSource, shard_id: Any) -> None:
         expert, part = shard_id
         start = get_tp().rank * self.local
-        if part == 2:
-            copy_into(param.data[expert], source[:, start : start + self.local])
+        if part == 2:  # down: this rank's columns of every row
+            rows, index = slice(None), (slice(None), slice(start, start + self.local))
         else:
-            rows = slice(part * self.local, (part + 1) * self.local)
-            copy_into(param.data[expert, rows], source[start : start + self.local])
+            rows, index = slice(part * self.local, (part + 1) * self.local), (slice(start, start + self.local),)
+        scale = self.w2_scale if part == 2 else self.w13_scale
+        if scale is None:
+            copy_into(param.data[expert, rows], source[index])
+            return
+        # A down row's scale comes from the whole checkpoint row, so every TP size stores the same weights.
+        values, row_scale = as_fp8_rows(source, index, param.device)
+        copy_into(param.data[expert, rows], values)
+        copy_into(scale.data[expert, rows], row_scale)
+
+    def linear(self, x: torch.Tensor, linear: Any, expert: int, down: bool) -> torch.Tensor:
+        """One expert's gate/up (or down) on rows ``x`` through ``linear``: the torch path's matmul. FP8 weights
+        widen exactly to x's dtype and their scales apply to the product in float32, as the fused kernel does."""
+        weight, scale = (self.w2, self.w2_scale) if down else (self.w13, self.w13_scale)
+        if scale is None:
+            return linear(x, weight[expert])
+        return (linear(x, weight[expert].to(x.dtype)).float() * scale[expert]).to(x.dtype)
 
 
 class Router(nn.Module):
@@ -99,12 +120,13 @@ class Router(nn.Module):
 class SparseMoE(nn.Module):
     """Top-k routing (softmax over every expert, the k largest kept, renormalised where the family does)."""
 
-    def __init__(self, cfg: ModelConfig, kernels: Kernels) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, kernels: Kernels) -> None:
         super().__init__()
         self.top_k = cfg.experts_per_token
         self.renormalize = cfg.norm_topk_prob
         self.gate = Router(cfg.num_experts, cfg.hidden_size)
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_width_key)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_width_key,
+                               cfg.fp8_projection(f"model.layers.{layer_id}.mlp.experts"))
         self.silu_and_mul = kernels.silu_and_mul
         self.linear = kernels.linear  # batch-invariant under engine.deterministic
         self.fused = kernels.fused_moe
@@ -126,8 +148,9 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            out = fused_moe.fused_moe(x, self.linear(x, self.gate.weight), self.experts.w13, self.experts.w2,
-                                      self.top_k, self.renormalize, self.touched)
+            experts = self.experts
+            out = fused_moe.fused_moe(x, self.linear(x, self.gate.weight), experts.w13, experts.w2, self.top_k,
+                                      self.renormalize, self.touched, experts.w13_scale, experts.w2_scale)
         else:
             out = self.forward_torch(x)
         return all_reduce(out) if get_tp().size > 1 else out
@@ -148,7 +171,7 @@ class SparseMoE(nn.Module):
             picked = order[start : start + count]
             start += count
             # self.linear: an expert's rows depend on the batch, so under engine.deterministic so may F.linear's bits.
-            hidden = self.silu_and_mul(self.linear(x[rows], self.experts.w13[expert]))
-            y = self.linear(hidden, self.experts.w2[expert]) * weights.flatten()[picked, None]
+            hidden = self.silu_and_mul(self.experts.linear(x[rows], self.linear, expert, down=False))
+            y = self.experts.linear(hidden, self.linear, expert, down=True) * weights.flatten()[picked, None]
             out.index_add_(0, rows, y.to(out.dtype))
         return out

@@ -336,26 +336,71 @@ def test_quantization_none_dequantises_an_fp8_checkpoint(base_dir, tmp_path, str
     assert torch.equal(model.lm_head.weight, _checkpoint_weight(ckpt, "lm_head", "weight_scale"))
 
 
-def test_moe_experts_and_unquantised_routers_load_in_the_model_dtype(tmp_path):
-    config = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 96, "intermediate_size": 192,
-              "moe_intermediate_size": 48, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
-              "num_hidden_layers": 1, "num_attention_heads": 12, "num_key_value_heads": 6, "head_dim": 16,
-              "vocab_size": 64, "max_position_embeddings": 256, "tie_word_embeddings": False}
-    base = _random_checkpoint(tmp_path, config, "moe")
-    # The attention and the experts in FP8; the router (mlp.gate) stays float32.
-    ckpt_dir = _write_fp8(base, tmp_path / "moe-fp8", _fine_grained(), _projections("block"), "weight_scale_inv")
+MOE = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 96, "intermediate_size": 192,
+       "moe_intermediate_size": 48, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
+       "num_hidden_layers": 1, "num_attention_heads": 12, "num_key_value_heads": 6, "head_dim": 16,
+       "vocab_size": 64, "max_position_embeddings": 256, "tie_word_embeddings": False}
+
+
+def _expert_weights(ckpt: dict[str, torch.Tensor], e: int, scale_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert ``e`` of layer 0 as the checkpoint holds it, dequantised: (gate rows then up rows, down)."""
+    gate, up, down = (_checkpoint_weight(ckpt, f"model.layers.0.mlp.experts.{e}.{p}_proj", scale_name)
+                      for p in ("gate", "up", "down"))
+    return torch.cat([gate, up]), down
+
+
+@pytest.mark.parametrize("layout", ["channel", "block"])
+def test_moe_experts_load_in_fp8_and_routers_in_the_model_dtype(tmp_path, layout):
+    """Per-row expert scales as published; 128 x 128 blocks re-quantised per row, as dense projections are; the
+    router (mlp.gate, unquantised in the checkpoint) stays float32. Under none, every expert is dequantised."""
+    base = _random_checkpoint(tmp_path, MOE, "moe")
+    if layout == "channel":
+        config, scale_name = _compressed_tensors({"group_0": (["Linear"], _ct_weights("channel"))}, []), "weight_scale"
+    else:
+        config, scale_name = _fine_grained(), "weight_scale_inv"
+    ckpt_dir = _write_fp8(base, tmp_path / "moe-fp8", config, _projections(layout), scale_name)
     ckpt = _checkpoint(ckpt_dir)
     model = _load(ckpt_dir, "auto")
     mlp = model.model.layers[0].mlp
     assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == fp8.FP8
     assert torch.equal(mlp.gate.weight, ckpt["model.layers.0.mlp.gate.weight"])
-    for e in range(4):
-        expert = f"model.layers.0.mlp.experts.{e}"
-        assert ckpt[f"{expert}.down_proj.weight"].dtype == fp8.FP8
-        gate, up, down = (_checkpoint_weight(ckpt, f"{expert}.{p}_proj", "weight_scale_inv")
-                          for p in ("gate", "up", "down"))
-        assert torch.equal(mlp.experts.w13[e], torch.cat([gate, up]))
-        assert torch.equal(mlp.experts.w2[e], down)
+    experts = mlp.experts
+    assert experts.w13.dtype == experts.w2.dtype == fp8.FP8
+    for e in range(MOE["num_experts"]):
+        assert ckpt[f"model.layers.0.mlp.experts.{e}.down_proj.weight"].dtype == fp8.FP8
+        w13, w2 = _expert_weights(ckpt, e, scale_name)
+        if layout == "channel":  # stored as published, bit for bit
+            parts = [f"model.layers.0.mlp.experts.{e}.{p}_proj" for p in ("gate", "up")]
+            assert torch.equal(_bits(experts.w13[e]), _bits(torch.cat([ckpt[f"{p}.weight"] for p in parts])))
+            assert torch.equal(experts.w13_scale[e], torch.cat([ckpt[f"{p}.weight_scale"] for p in parts]).flatten())
+            down = f"model.layers.0.mlp.experts.{e}.down_proj"
+            assert torch.equal(_bits(experts.w2[e]), _bits(ckpt[f"{down}.weight"]))
+            assert torch.equal(experts.w2_scale[e], ckpt[f"{down}.weight_scale"].flatten())
+        for (values, scale), weight in (((experts.w13[e], experts.w13_scale[e]), w13),
+                                        ((experts.w2[e], experts.w2_scale[e]), w2)):
+            requantized = fp8.quantize_rows(weight)  # the checkpoint's values, per row
+            assert torch.equal(_bits(values), _bits(requantized[0])) and torch.equal(scale, requantized[1])
+    dense = _load(ckpt_dir, "none").model.layers[0].mlp.experts
+    assert dense.w13_scale is None and dense.w13.dtype == torch.float32
+    for e in range(MOE["num_experts"]):
+        w13, w2 = _expert_weights(ckpt, e, scale_name)
+        assert torch.equal(dense.w13[e], w13) and torch.equal(dense.w2[e], w2)
+
+
+def test_moe_experts_an_fp8_checkpoint_leaves_unquantised_keep_the_model_dtype(tmp_path):
+    """Experts in the checkpoint's ignore list run as published under auto; experts of one layer in two
+    precisions are refused (they run as one kernel), naming the layer and what it stores."""
+    base = _random_checkpoint(tmp_path, MOE, "moe")
+    config = _compressed_tensors({"group_0": (["Linear"], _ct_weights("channel"))}, ["re:.*experts.*"])
+    model = _load(_write_fp8(base, tmp_path / "dense-experts", config, _projections("channel", ("experts",))), "auto")
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == fp8.FP8
+    assert model.model.layers[0].mlp.experts.w13.dtype == torch.float32
+    assert model.model.layers[0].mlp.experts.w13_scale is None
+    mixed = _write_fp8(base, tmp_path / "mixed", config, _projections("channel", ("experts.1.",)))
+    with pytest.raises(ValueError, match=r"layer 0 stores 9 expert weights in F8_E4M3 and 3 expert weights in F32: "
+                                         r"they run as one fused kernel \(experts\)"):
+        _load(mixed, "auto")
+    assert _load(mixed, "fp8").model.layers[0].mlp.experts.w13.dtype == fp8.FP8  # the others quantised at load
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -1,6 +1,7 @@
 """Qwen3-30B-A3B and Mixtral-8x7B widths on the GPU (`pytest -m gpu`): the fused experts (models/fused_moe.py) in
-bf16 against float64, and 2-layer models in bf16 against HF float32 with the budget of tests/test_gpu_families.py
-(twice HF bf16's own error, + 2e-3), through prefill, chunked prefill, eager and CUDA-graph decode."""
+bf16 and with e4m3 weights against float64, and 2-layer models in bf16 against HF float32 with the budget of
+tests/test_gpu_families.py (twice HF bf16's own error, + 2e-3), through prefill, chunked prefill, eager and
+CUDA-graph decode; with FP8 experts, CUDA-graph decode against eager."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import json
 import pytest
 import torch
 
-from models import fused_moe
+from models import fp8, fused_moe
 from runtime import LLM, SamplingParams
 from tests.helpers import prefill_logits, relative_error
-from tests.test_fused_moe import random_layer, reference_moe
+from tests.test_fused_moe import dequantized, quantized_experts, random_layer, reference_moe
 from tests.test_gpu_families import hf_config, hf_logits, save_random_hf_model
 
 pytestmark = pytest.mark.gpu
@@ -47,6 +48,23 @@ def test_fused_moe_bf16_against_float64(shape):
     print(f"{shape}: fused {err:.2e}, torch bf16 {torch_err:.2e}")
     assert err <= 2 * torch_err + 1e-3
     assert touched.item() == ids.unique().numel() and (empty is None or empty not in ids)
+
+
+@pytest.mark.parametrize("shape", KERNEL_SHAPES)
+def test_fused_moe_fp8_weights_against_float64(shape):
+    """e4m3 experts (a scale per row), widened to bf16 in the kernel: against float64 over the dequantised
+    weights, within twice torch's bf16 error on those weights."""
+    tokens, experts, top_k, hidden, inter, empty = shape
+    x, logits, w13, w2 = random_layer(tokens, experts, hidden, inter, empty, "cuda", torch.bfloat16)
+    q13, s13, q2, s2 = quantized_experts(w13, w2)
+    del w13, w2
+    out = fused_moe.fused_moe(x, logits, q13, q2, top_k, True, None, s13, s2)
+    d13, d2 = dequantized(q13, s13), dequantized(q2, s2)
+    ref, _ = reference_moe(x, logits, d13, d2, top_k, True)
+    budget, _ = reference_moe(x, logits, d13, d2, top_k, True, torch.bfloat16)
+    err, torch_err = relative_error(out, ref), relative_error(budget, ref)
+    print(f"{shape}: fused e4m3 {err:.2e}, torch bf16 {torch_err:.2e}")
+    assert err <= 2 * torch_err + 1e-3
 
 
 def routed_without_heavy_near_ties(model, seq: list[int], start: int, top_k: int) -> bool:  # noqa: ANN001
@@ -128,3 +146,31 @@ def test_deterministic_moe_logits_are_the_same_alone_and_batched(tmp_path):
     for seq, batched in zip(seqs, together):
         assert torch.equal(prefill_logits(llm.engine, [seq], decode_tail=3)[0], batched)
     llm.shutdown()
+
+
+def test_fp8_experts_graph_decode_equals_eager_within_fp8s_distance(tmp_path):
+    """model.quantization=fp8 on a 2-layer Qwen3-30B-A3B: e4m3 experts in the fused kernels beside FP8 attention.
+    CUDA-graph decode equals eager decode within FP8's distance from the bf16 model, and that distance is FP8's."""
+    path = save_random_hf_model(hf_config("qwen3-30b-a3b"), tmp_path / "moe")
+    gen = torch.Generator().manual_seed(7)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    seqs = [torch.randint(0, vocab, (n + NEW_TOKENS,), generator=gen).tolist() for n in PROMPT_LENS]
+    runs = {}
+    for quantization in ("none", "fp8"):
+        llm = LLM(str(path), overrides=[*OVERRIDES, f"model.quantization={quantization}"])
+        eng = llm.engine
+        experts = eng.model.model.layers[0].mlp.experts
+        assert eng.kernels.fused_moe and eng.graph_runner is not None
+        assert (experts.w13.dtype == fp8.FP8) == (quantization == "fp8")
+        runs[quantization, "eager"] = prefill_logits(eng, seqs, decode_tail=NEW_TOKENS)
+        if quantization == "fp8":
+            runs[quantization, "graph"] = prefill_logits(eng, seqs, decode_tail=NEW_TOKENS, use_graph=True)
+        llm.shutdown()
+        del llm, eng, experts
+        torch.cuda.empty_cache()
+    for i, n in enumerate(PROMPT_LENS):
+        bf16, eager, graph = (runs[key][i][-NEW_TOKENS:] for key in (("none", "eager"), ("fp8", "eager"),
+                                                                      ("fp8", "graph")))
+        fp8_err, graph_err = relative_error(eager, bf16), relative_error(graph, eager)
+        print(f"len {n}: FP8 vs bf16 {fp8_err:.3e}; graph vs eager {graph_err:.3e}")
+        assert 1e-3 < fp8_err < 0.15 and graph_err <= fp8_err

@@ -4,6 +4,7 @@ checkpoint missing an expert tensor fails at load naming it."""
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -130,7 +131,7 @@ def test_the_block_rounds_routing_weights_as_hf_does_in_bf16(name):
             p.normal_(0, 0.05)
         hf.gate.weight.normal_(0, 0.2)
     hf = hf.to(torch.bfloat16)
-    ours = SparseMoE(ModelConfig.from_dict(cfg.to_dict()), TORCH_KERNELS).to(torch.bfloat16)
+    ours = SparseMoE(ModelConfig.from_dict(cfg.to_dict()), 0, TORCH_KERNELS).to(torch.bfloat16)
     with torch.no_grad():
         ours.gate.weight.copy_(hf.gate.weight)
         ours.experts.w13.copy_(hf.experts.gate_up_proj)
@@ -216,3 +217,78 @@ def test_real_shape_configs_load_as_their_family(name, arch, params_b, sparse):
     assert cfg.architecture == arch and len(cfg.sparse_layers) == sparse
     total = sum(torch.Size(s).numel() for s in checkpoint_shapes(cfg).values())
     assert abs(total / 1e9 - params_b) < 0.1, total  # the published parameter counts
+
+
+def fp8_experts_and_logits(rank: int, model_dir: str, prompts: list[list[int]], quantization: str = "fp8") -> dict:
+    """Layer 0's experts as stored (e4m3 bits, scales) under ``quantization``, and the logits of ``prompts``."""
+    engine = make_engine(model_dir, f"model.quantization={quantization}", "cache.page_size=4")
+    experts = engine.model.model.layers[0].mlp.experts
+    stored = {"w13": experts.w13.data.view(torch.uint8).clone(), "w2": experts.w2.data.view(torch.uint8).clone(),
+              "w13_scale": experts.w13_scale.clone(), "w2_scale": experts.w2_scale.clone()} \
+        if quantization == "fp8" else {"w13": experts.w13.data.clone(), "w2": experts.w2.data.clone()}
+    logits = prefill_logits(engine, prompts, chunk=16, decode_tail=4)
+    del engine, experts
+    gc.collect()
+    return {"experts": stored, "logits": logits}
+
+
+def test_fp8_experts_store_each_checkpoint_row_quantised(moe_dir):
+    """model.quantization=fp8 quantises every expert's rows at load: e4m3 values and a scale per row."""
+    from models import fp8
+
+    name, path = moe_dir
+    prompts = _prompts(5, (9,))
+    exact = fp8_experts_and_logits(0, str(path), prompts, "none")
+    got = fp8_experts_and_logits(0, str(path), prompts)
+    for w in ("w13", "w2"):
+        full = exact["experts"][w]
+        values, scale = fp8.quantize_rows(full.reshape(-1, full.shape[-1]))
+        assert torch.equal(got["experts"][w], values.view(torch.uint8).view(full.shape)), (name, w)
+        assert torch.equal(got["experts"][f"{w}_scale"], scale.view(full.shape[:2])), (name, w)
+
+
+def test_an_fp8_experts_checkpoint_gives_its_dequantised_models_logits(moe_dir, tmp_path):
+    """A checkpoint with only its experts in FP8 (per channel): run in e4m3 (auto), the model gives the logits of
+    the same checkpoint dequantised (none) up to float32 rounding: the scales apply after the product instead of
+    before, nothing else differs. (How far e4m3 experts move these tiny random models' logits says little: their
+    routers flip on any nudge; tests/test_fused_moe.py measures a layer's error against float64.)"""
+    from tests.test_fp8_checkpoint import _compressed_tensors, _ct_weights, _write_fp8
+
+    name, path = moe_dir
+    config = _compressed_tensors({"experts": (["re:.*experts.*"], _ct_weights("channel"))}, [])
+    ckpt = _write_fp8(path, tmp_path / "experts-fp8", config, lambda n: "channel" if ".experts." in n else None)
+    prompts = _prompts(7, (9, 40, 70))
+    fp8_run = make_engine(ckpt, "model.quantization=auto")
+    layer0 = fp8_run.model.model.layers[0]
+    assert layer0.mlp.experts.w13_scale is not None and not layer0.self_attn.qkv_proj.fp8
+    ours = prefill_logits(fp8_run, prompts, chunk=16, decode_tail=4)
+    dequantized = prefill_logits(make_engine(ckpt, "model.quantization=none"), prompts, chunk=16, decode_tail=4)
+    original = prefill_logits(make_engine(path), prompts, chunk=16, decode_tail=4)
+    for o, d, orig in zip(ours, dequantized, original):
+        assert relative_error(o, d) <= 1e-5, name
+        assert relative_error(d, orig) > 1e-3, name  # the experts were quantised
+
+
+@pytest.mark.slow
+def test_fp8_experts_at_tp2_store_tp1_weights_and_give_its_logits(moe_dir):
+    """Gate/up rows and down columns of TP=1's e4m3 values on each rank; down's scales are TP=1's, taken over
+    whole rows. The logits differ from TP=1's only by the all-reduce's order, magnified by FP8 rounding of the
+    activations: less than FP8's own distance from the unquantised model."""
+    name, path = moe_dir
+    prompts = _prompts(6, (7, 40))
+    ref = fp8_experts_and_logits(0, str(path), prompts)
+    exact = fp8_experts_and_logits(0, str(path), prompts, "none")["logits"]
+    ranks = run_ranks(2, fp8_experts_and_logits, str(path), prompts)
+    full = ref["experts"]
+    inter = full["w2"].shape[2] // 2
+    for rank, got in enumerate(ranks):
+        mine = slice(rank * inter, (rank + 1) * inter)
+        rows = torch.cat([torch.arange(2 * inter)[mine], 2 * inter + torch.arange(2 * inter)[mine]])
+        assert torch.equal(got["experts"]["w13"], full["w13"][:, rows]), name
+        assert torch.equal(got["experts"]["w13_scale"], full["w13_scale"][:, rows]), name
+        assert torch.equal(got["experts"]["w2"], full["w2"][:, :, mine]), name
+        assert torch.equal(got["experts"]["w2_scale"], full["w2_scale"]), name
+        for ours, theirs, unquantized in zip(got["logits"], ref["logits"], exact):
+            assert relative_error(ours, theirs) <= relative_error(theirs, unquantized), name
+    for ours, first in zip(ranks[1]["logits"], ranks[0]["logits"]):
+        assert torch.equal(ours, first)

@@ -150,7 +150,7 @@ def load_model(
             filled.add(param_name)
     # Guards checkpoint_shapes itself: an unfilled parameter would keep uninitialised memory.
     # An FP8 weight's scale is written with the weight.
-    filled |= {n[: -len("weight")] + "weight_scale" for n in filled if n.endswith(".weight")}
+    filled |= {n + "_scale" for n in filled}  # weight_scale, w13_scale, w2_scale
     unfilled = sorted(set(params) - filled)
     if unfilled:
         raise RuntimeError(f"internal error: no checkpoint tensor of {path} was loaded into {unfilled}")
@@ -210,6 +210,17 @@ _PROJECTION_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_pro
                      "mlp.down_proj": ("mlp.down_proj",)}
 
 
+def _projection_parts(cfg: ModelConfig, layer: int) -> dict[str, list[str]]:
+    """Our projections of ``layer`` that may run in FP8 (a sparse layer's experts as one), each with the
+    checkpoint weights it is made of."""
+    prefix = f"model.layers.{layer}."
+    parts = {ours: [f"{prefix}{part}.weight" for part in theirs] for ours, theirs in _PROJECTION_PARTS.items()
+             if not (ours.startswith("mlp.") and cfg.is_sparse(layer))}
+    if cfg.is_sparse(layer):
+        parts["mlp.experts"] = [name for name in moe.expert_names(cfg, layer) if ".experts." in name]
+    return parts
+
+
 def dense_projections(path: Path, index: dict[str, TensorInfo], cfg: ModelConfig) -> frozenset[str]:
     """Under model.quantization=auto, the projections an FP8 checkpoint stores unquantised (in its ``ignore`` or
     ``modules_to_not_convert`` list): they keep the model dtype, as published. Read from the tensors' dtypes,
@@ -222,19 +233,23 @@ def dense_projections(path: Path, index: dict[str, TensorInfo], cfg: ModelConfig
         return frozenset()
     dense = set()
     for layer in range(cfg.num_layers):
-        for ours, parts in _PROJECTION_PARTS.items():
-            if ours.startswith("mlp.") and cfg.is_sparse(layer):
-                continue
-            dtypes = {part: index[f"model.layers.{layer}.{part}.weight"].dtype for part in parts
-                      if f"model.layers.{layer}.{part}.weight" in index}  # a missing one: check_checkpoint says so
+        for ours, parts in _projection_parts(cfg, layer).items():
+            dtypes = {part: index[part].dtype for part in parts if part in index}  # a missing one: check_checkpoint
             stored_fp8 = [part for part, dtype in dtypes.items() if dtype == FP8_DTYPE]
             if not stored_fp8:
                 dense.add(f"model.layers.{layer}.{ours}")
             elif len(stored_fp8) < len(dtypes):
-                shown = ", ".join(f"{part.split('.')[-1]} {dtype}" for part, dtype in dtypes.items())
-                raise ValueError(f"{path}: layer {layer} stores {shown}: they run as one fused projection "
-                                 f"({ours.split('.')[-1]}), so they need one precision; set model.quantization=fp8 "
-                                 "(quantise the others at load) or none (dequantise all)")
+                if len(dtypes) <= 3:
+                    shown = ", ".join(f"{part.split('.')[-2]} {dtype}" for part, dtype in dtypes.items())
+                else:  # a sparse layer's experts: hundreds of tensors
+                    counts: dict[str, int] = {}
+                    for dtype in dtypes.values():
+                        counts[dtype] = counts.get(dtype, 0) + 1
+                    shown = " and ".join(f"{n} expert weights in {dtype}" for dtype, n in counts.items())
+                raise ValueError(f"{path}: layer {layer} stores {shown}: they run as one fused "
+                                 f"{'kernel' if ours == 'mlp.experts' else 'projection'} ({ours.split('.')[-1]}), so "
+                                 "they need one precision; set model.quantization=fp8 (quantise the others at load) "
+                                 "or none (dequantise all)")
     return frozenset(dense)
 
 
