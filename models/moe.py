@@ -59,14 +59,18 @@ def target_param(ckpt_name: str) -> tuple[str, Any] | None:
     return None
 
 
-def hf_expert_tensors(cfg: ModelConfig, layer: int, w13: torch.Tensor, w2: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A TP=1 layer's stacked experts as the checkpoint's per-expert tensors (views)."""
+def hf_expert_tensors(cfg: ModelConfig, layer: int, experts: Experts) -> dict[str, torch.Tensor]:
+    """A TP=1 layer's stacked experts as the checkpoint's per-expert tensors (views); FP8 ones with their
+    ``weight_scale`` per row, as compressed-tensors names it."""
     names = [n for n in expert_names(cfg, layer) if ".experts." in n]
     out = {}
     for e in range(cfg.num_experts):
         gate, up, down = names[3 * e : 3 * e + 3]
-        out[gate], out[up] = w13[e].chunk(2)
-        out[down] = w2[e]
+        out[gate], out[up] = experts.w13.data[e].chunk(2)
+        out[down] = experts.w2.data[e]
+        if experts.w13_scale is not None and experts.w2_scale is not None:
+            out[f"{gate}_scale"], out[f"{up}_scale"] = experts.w13_scale.data[e].chunk(2)
+            out[f"{down}_scale"] = experts.w2_scale.data[e]
     return out
 
 
@@ -104,11 +108,13 @@ class Experts(nn.Module):
 
     def linear(self, x: torch.Tensor, linear: Any, expert: int, down: bool) -> torch.Tensor:
         """One expert's gate/up (or down) on rows ``x`` through ``linear``: the torch path's matmul. FP8 weights
-        widen exactly to x's dtype and their scales apply to the product in float32, as the fused kernel does."""
+        widen exactly and their scales apply to the float32 product, as the fused kernel does."""
         weight, scale = (self.w2, self.w2_scale) if down else (self.w13, self.w13_scale)
         if scale is None:
             return linear(x, weight[expert])
-        return (linear(x, weight[expert].to(x.dtype)).float() * scale[expert]).to(x.dtype)
+        # In float32: unscaled e4m3 products run up to 448 / (the row's largest weight) times the true ones,
+        # past float16's range.
+        return (linear(x.float(), weight[expert].float()) * scale[expert]).to(x.dtype)
 
 
 class Router(nn.Module):

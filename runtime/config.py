@@ -29,7 +29,7 @@ class ModelSection:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on GPU, float32 on CPU)
     max_seq_len: int = 4096  # capped at the model's max_position_embeddings; at most its sliding window, if any
     random_weights: bool = False  # random weights (benchmarks); path then needs only config.json
-    # Attention and dense MLP weights: fp8 (e4m3, a scale per output row; a bf16/fp16/fp32 checkpoint is quantised
+    # Attention, MLP and expert weights: fp8 (e4m3, a scale per output row; a bf16/fp16/fp32 checkpoint is quantised
     # at load), none (the model dtype; an FP8 checkpoint is dequantised) or auto (fp8 for a pre-quantised FP8
     # checkpoint, else none; none under engine.deterministic)
     quantization: str = "auto"

@@ -267,6 +267,20 @@ def test_an_fp8_experts_checkpoint_gives_its_dequantised_models_logits(moe_dir, 
     for o, d, orig in zip(ours, dequantized, original):
         assert relative_error(o, d) <= 1e-5, name
         assert relative_error(d, orig) > 1e-3, name  # the experts were quantised
+    # Written back in the checkpoint's names: the e4m3 values and their scales, as stored.
+    from safetensors.torch import load_file
+
+    from models.weights.loader import to_hf_state_dict
+
+    saved = load_file(str(ckpt / "model.safetensors"))
+    state = to_hf_state_dict(fp8_run.model)
+    assert state.keys() == saved.keys(), name
+    for key in (k for k in saved if ".experts." in k):
+        ours_t, theirs = state[key], saved[key]
+        if theirs.dtype == torch.float8_e4m3fn:
+            assert torch.equal(ours_t.view(torch.uint8), theirs.view(torch.uint8)), key
+        else:
+            assert torch.equal(ours_t, theirs.flatten()), key
 
 
 @pytest.mark.slow
@@ -292,3 +306,23 @@ def test_fp8_experts_at_tp2_store_tp1_weights_and_give_its_logits(moe_dir):
             assert relative_error(ours, theirs) <= relative_error(theirs, unquantized), name
     for ours, first in zip(ranks[1]["logits"], ranks[0]["logits"]):
         assert torch.equal(ours, first)
+
+
+def test_fp8_experts_torch_path_stays_finite_in_float16():
+    """Unscaled e4m3 products are up to 448 / (a row's largest weight) times the true ones: the torch path scales
+    them in float32, so a float16 model's experts do not overflow where their outputs are moderate."""
+    import torch.nn.functional as F
+
+    from models import fp8
+    from models.moe import Experts
+
+    experts = Experts(2, 64, 32, "moe_intermediate_size", quantized=True)
+    gen = torch.Generator().manual_seed(0)
+    for w, scale in ((experts.w13, experts.w13_scale), (experts.w2, experts.w2_scale)):
+        values, row_scale = fp8.quantize_rows(0.02 * torch.randn(w.numel() // w.shape[-1], w.shape[-1], generator=gen))
+        w.data, scale.data = values.view(w.shape), row_scale.view(scale.shape)
+    x = (20 * torch.randn(5, 64, generator=gen)).half()
+    out = experts.linear(x, F.linear, 1, down=False)
+    ref = x.double() @ (experts.w13[1].double() * experts.w13_scale[1].double()[:, None]).T
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
+    assert relative_error(out, ref) < 1e-3

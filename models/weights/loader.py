@@ -488,10 +488,8 @@ def to_hf_state_dict(model: LlamaForCausalLM, stacked_experts: bool = False) -> 
         elif stacked_experts and ".mlp.gate.weight" in name:
             out[name] = param.data
         elif name.endswith(".mlp.experts.w13"):
-            layer = int(name.split(".")[2])
-            w2 = dict(model.named_parameters())[name[: -len("w13")] + "w2"]
-            out.update(moe.hf_expert_tensors(cfg, layer, param.data, w2.data))
-        elif name.endswith(".mlp.experts.w2"):
+            out.update(moe.hf_expert_tensors(cfg, int(name.split(".")[2]), model.get_submodule(name[: -len(".w13")])))
+        elif ".mlp.experts." in name:  # w2 and the scales: with w13
             continue
         elif ".mlp.gate.weight" in name and cfg.is_moe:
             out[name.replace(".mlp.", ".block_sparse_moe.") if cfg.architecture == "MixtralForCausalLM" else name] = \
