@@ -240,3 +240,27 @@ print("running on")
         assert proc.returncode == -signal.SIGTERM and "running on" not in proc.stdout
     else:
         assert proc.returncode == 0 and "running on" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_a_failure_of_any_type_after_the_groups_start_is_announced_to_the_other_replicas(monkeypatch):
+    """Not only the errors launch.py explains (a config error, a missing file): a KeyError while loading a model,
+    say, reaches the store too, so the other replicas' barriers end at once instead of after the heartbeat's
+    silence (``replicas.SILENT_S``)."""
+    from types import SimpleNamespace
+
+    import launch
+    from parallel import distributed
+    from runtime.frontend import replicas
+
+    told: list[BaseException] = []
+
+    def load_fails(*args: object, **kwargs: object) -> int:
+        raise KeyError("model.layers.0.mlp.gate.weight")
+
+    monkeypatch.setattr(launch, "configure_cpu_threads", lambda local_ranks: None)
+    monkeypatch.setattr(distributed, "init_distributed", lambda *a, **k: SimpleNamespace(rank=0, global_rank=0))
+    monkeypatch.setattr(launch, "run_leader", load_fails)
+    monkeypatch.setattr(replicas, "announce_failure", told.append)
+    with pytest.raises(KeyError, match="mlp.gate.weight"):
+        launch.main([])
+    assert [type(exc) for exc in told] == [KeyError]

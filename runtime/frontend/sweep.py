@@ -314,7 +314,7 @@ class _Sweeper:
                 self.finish(only, stopped=False)
             print(f"rank {self.rank}: {exc}", file=sys.stderr, flush=True)
             raise
-        except BaseException as exc:  # outside a run: a follower's engine, the agreement on what to run
+        except BaseException as exc:  # outside a run: a follower's engine, a change of TP layout, the results table
             from runtime.frontend.replicas import announce_failure
 
             announce_failure(exc)
