@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import datetime
 import os
 import signal
 import sys
 import threading
-import time
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +18,7 @@ from parallel.state import TPInfo, get_cpu_group, get_store, get_tp, set_tp
 
 HEARTBEAT_S = 2.0  # how often each rank counts up its heartbeat in the store
 _heartbeat: threading.Thread | None = None
+_heartbeat_stop = threading.Event()
 
 
 @dataclass(frozen=True)
@@ -107,15 +108,31 @@ def start_heartbeat(global_rank: int) -> None:
 
     def beat() -> None:
         key = heartbeat_key(global_rank)
-        while True:
+        while not _heartbeat_stop.is_set():
             try:
                 store.add(key, 1)
             except Exception:  # noqa: BLE001 (the store is gone, and the job with it)
                 return
-            time.sleep(HEARTBEAT_S)
+            _heartbeat_stop.wait(HEARTBEAT_S)
 
+    _heartbeat_stop.clear()
     _heartbeat = threading.Thread(target=beat, name="tpinfer-heartbeat", daemon=True)
     _heartbeat.start()
+
+
+def stop_heartbeat() -> None:
+    """End the heartbeat thread and wait for it (at exit, and when the groups go). A daemon thread still inside a
+    store call when the interpreter finalises is ended from within that C++ call, which aborts the process
+    ("terminate called without an active exception", SIGABRT) after its rows are written."""
+    global _heartbeat
+    thread, _heartbeat = _heartbeat, None
+    if thread is None:
+        return
+    _heartbeat_stop.set()
+    thread.join(timeout=HEARTBEAT_S + 5.0)  # one store call; a store gone for good fails it sooner or later
+
+
+atexit.register(stop_heartbeat)  # before the interpreter finalises; a no-op without a heartbeat
 
 
 def end_with_the_agent() -> None:
@@ -132,6 +149,7 @@ def end_with_the_agent() -> None:
 
 
 def shutdown_distributed() -> None:
+    stop_heartbeat()
     if dist.is_initialized():
         dist.destroy_process_group()
     set_tp(TPInfo())

@@ -148,3 +148,32 @@ def test_a_barrier_ends_when_a_replica_falls_silent_not_when_it_is_slow(monkeypa
     stop.set()
     for thread in [*beats, *late]:
         thread.join()
+
+
+_EXITS_DURING_A_HEARTBEAT = """
+import sys, time
+import torch.distributed as dist
+from parallel import distributed
+store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+distributed.get_store = lambda: store
+distributed.HEARTBEAT_S = 0.0  # a store call in flight at any moment, as one every 2 s is now and then
+distributed.start_heartbeat(0)
+time.sleep(0.3)
+assert store.add(distributed.heartbeat_key(0), 0) > 0
+sys.exit(0)
+"""
+
+
+def test_a_rank_exits_cleanly_while_its_heartbeat_is_inside_a_store_call() -> None:
+    """The heartbeat is stopped and joined at exit: a daemon thread inside a TCPStore call when the interpreter
+    finalises aborts the process (SIGABRT), which failed finished torchrun jobs now and then."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    for _ in range(3):
+        proc = subprocess.run([sys.executable, "-c", _EXITS_DURING_A_HEARTBEAT], cwd=repo, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "terminate called" not in proc.stderr
