@@ -142,6 +142,13 @@ def quantize_rows(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[to
     return values, scale
 
 
+def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked expert weights ([experts, rows, columns]) in e4m3 with a float32 scale per row ([experts, rows]),
+    as models/moe.py stores them."""
+    values, scale = quantize_rows(w.reshape(-1, w.shape[-1]))
+    return values.view(w.shape), scale.view(w.shape[:2])
+
+
 def dequantize_rows(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return values.float() * scale[:, None]
 

@@ -210,12 +210,12 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     if scaled != (w2_scale is not None):
         raise ValueError("fused_moe takes scales for both w13 and w2 (e4m3 weights) or for neither")
     _expert_matmul[(max_blocks * triton.cdiv(inter, block_n),)](
-        x, w13, w13_scale if scaled else weights, act, sorted_pairs, block_expert, total, weights, num_pairs, inter,
+        x, w13, w13_scale if scaled else w13, act, sorted_pairs, block_expert, total, weights, num_pairs, inter,
         hidden, w13.stride(0), top_k, True, precision, scaled, block_m, block_n, BLOCK_K, num_warps=warps,
         num_stages=stages)
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _expert_matmul[(max_blocks * triton.cdiv(hidden, block_n),)](
-        act, w2, w2_scale if scaled else weights, out, sorted_pairs, block_expert, total, weights, num_pairs, hidden,
+        act, w2, w2_scale if scaled else w2, out, sorted_pairs, block_expert, total, weights, num_pairs, hidden,
         inter, w2.stride(0), top_k, False, precision, scaled, block_m, block_n, BLOCK_K, num_warps=warps,
         num_stages=stages)
     return out.view(tokens, top_k, hidden).sum(dim=1)

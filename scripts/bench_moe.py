@@ -55,9 +55,8 @@ def measure(shape: tuple[int, int, int, int], tokens: int, tile: tuple[int, int,
     w2 = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16, generator=gen) / inter**0.5
     scales: tuple[torch.Tensor | None, ...] = (None, None)
     if e4m3:  # as models/moe.py stores them: e4m3 values, a float32 scale per row
-        (w13, s13), (w2, s2) = (fp8.quantize_rows(w.reshape(-1, w.shape[-1])) for w in (w13, w2))
-        w13, w2 = w13.view(experts, 2 * inter, hidden), w2.view(experts, hidden, inter)
-        scales = (s13.view(experts, -1), s2.view(experts, -1))
+        (w13, s13), (w2, s2) = fp8.quantize_experts(w13), fp8.quantize_experts(w2)
+        scales = (s13, s2)
     touched = int(torch.topk(logits.float(), top_k, dim=-1).indices.unique().numel())
     default = fused_moe.tile
     if tile is not None:

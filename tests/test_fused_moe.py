@@ -56,11 +56,7 @@ def random_layer(tokens: int, experts: int, hidden: int, inter: int, empty: int 
 def quantized_experts(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The experts in e4m3 with a float32 scale per row, as models/moe.py stores them: (w13, w13_scale, w2,
     w2_scale)."""
-    out = []
-    for w in (w13, w2):
-        values, scale = fp8.quantize_rows(w.reshape(-1, w.shape[-1]))
-        out += [values.view(w.shape), scale.view(w.shape[:2])]
-    return tuple(out)
+    return (*fp8.quantize_experts(w13), *fp8.quantize_experts(w2))
 
 
 def dequantized(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

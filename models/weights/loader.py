@@ -8,6 +8,7 @@ import json
 import logging
 import re
 import zlib
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,9 +243,7 @@ def dense_projections(path: Path, index: dict[str, TensorInfo], cfg: ModelConfig
                 if len(dtypes) <= 3:
                     shown = ", ".join(f"{part.split('.')[-2]} {dtype}" for part, dtype in dtypes.items())
                 else:  # a sparse layer's experts: hundreds of tensors
-                    counts: dict[str, int] = {}
-                    for dtype in dtypes.values():
-                        counts[dtype] = counts.get(dtype, 0) + 1
+                    counts = Counter(dtypes.values())
                     shown = " and ".join(f"{n} expert weights in {dtype}" for dtype, n in counts.items())
                 raise ValueError(f"{path}: layer {layer} stores {shown}: they run as one fused "
                                  f"{'kernel' if ours == 'mlp.experts' else 'projection'} ({ours.split('.')[-1]}), so "
