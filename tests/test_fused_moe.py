@@ -21,10 +21,19 @@ pytestmark = pytest.mark.skipif(fused_moe.triton is None or (not torch.cuda.is_a
                                 reason="needs Triton (its interpreter on CPU)")
 
 
+def e4m3_round_trip(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` as they are after quantisation to e4m3 with a scale per row (in float64)."""
+    return dequantized(*fp8.quantize_rows(rows.float()))
+
+
 def reference_moe(x, logits, w13, w2, top_k: int, renormalize: bool, dtype: torch.dtype = torch.float64,
-                  ) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+                  e4m3_activations: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
     """Each expert on its tokens in ``dtype`` (float64: the reference; bf16: torch's own rounding, a budget);
-    also the expert ids chosen."""
+    also the expert ids chosen. ``e4m3_activations``: the tokens, and the SiLU x up rows once rounded to x's
+    dtype (as the kernel stores them), go through e4m3 first."""
+    act_dtype = x.dtype
+    if e4m3_activations:
+        x = e4m3_round_trip(x)
     x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
     weights, ids = torch.topk(torch.softmax(logits.double(), dim=-1), top_k, dim=-1)
     if renormalize:
@@ -36,6 +45,8 @@ def reference_moe(x, logits, w13, w2, top_k: int, renormalize: bool, dtype: torc
         tokens, slot = torch.nonzero(ids == expert, as_tuple=True)
         gate_up = x[tokens] @ w13[expert].T
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        if e4m3_activations:
+            act = e4m3_round_trip(act.to(act_dtype)).to(dtype)
         out.index_add_(0, tokens, (act @ w2[expert].T) * weights[tokens, slot, None])
     return out, ids
 
@@ -101,6 +112,37 @@ def test_fused_moe_with_fp8_weights_matches_float64_of_their_values(shape):
     assert 1e-3 < err < 0.08
     with pytest.raises(ValueError, match="both w13 and w2"):
         fused_moe.fused_moe(x, logits, q13, q2, top_k, renormalize, None, s13, None)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3])
+def test_fused_moe_with_fp8_activations_matches_float64_of_their_values(shape):
+    """e4m3 x e4m3: against float64 over the dequantised weights and the activations as quantised per row."""
+    tokens, experts, top_k, hidden, inter, renormalize, empty = shape
+    x, logits, w13, w2 = random_layer(tokens, experts, hidden, inter, empty)
+    q13, s13, q2, s2 = quantized_experts(w13, w2)
+    out = fused_moe.fused_moe(x, logits, q13, q2, top_k, renormalize, None, s13, s2, e4m3_activations=True)
+    d13, d2 = dequantized(q13, s13), dequantized(q2, s2)
+    ref, _ = reference_moe(x, logits, d13, d2, top_k, renormalize, e4m3_activations=True)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    # The activations did go through e4m3: against exact activations on the same weights, an error of the size
+    # of one more e4m3 rounding of each GEMM's input.
+    weight_only, _ = reference_moe(x, logits, d13, d2, top_k, renormalize)
+    err = relative_error(out, weight_only)
+    print(f"{shape}: e4m3 activations {err:.3e} from exact ones")
+    assert 1e-3 < err < 0.08
+
+
+def test_fused_moe_takes_e4m3_activations_at_the_wide_tile_only():
+    """By default: exact activations where the weights' bytes bind (a decode batch), e4m3 ones at the wide tile."""
+    for tokens, experts, wide in ((6, 4, False), (200, 4, True)):
+        x, logits, w13, w2 = random_layer(tokens, experts, 64, 32, None)
+        q13, s13, q2, s2 = quantized_experts(w13, w2)
+        assert fused_moe.fp8_activations(fused_moe.tile(tokens * 2, experts)[0]) == wide
+        default = fused_moe.fused_moe(x, logits, q13, q2, 2, True, None, s13, s2)
+        for forced in (False, True):
+            same = torch.equal(default, fused_moe.fused_moe(x, logits, q13, q2, 2, True, None, s13, s2,
+                                                            e4m3_activations=forced))
+            assert same == (forced == wide)
 
 
 def test_route_layout_is_each_experts_pairs_padded_to_blocks():

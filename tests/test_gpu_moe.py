@@ -50,20 +50,22 @@ def test_fused_moe_bf16_against_float64(shape):
     assert touched.item() == ids.unique().numel() and (empty is None or empty not in ids)
 
 
+@pytest.mark.parametrize("e4m3_activations", [False, True], ids=["weights", "weights-and-activations"])
 @pytest.mark.parametrize("shape", KERNEL_SHAPES)
-def test_fused_moe_fp8_weights_against_float64(shape):
-    """e4m3 experts (a scale per row), widened to bf16 in the kernel: against float64 over the dequantised
-    weights, within twice torch's bf16 error on those weights."""
+def test_fused_moe_fp8_against_float64(shape, e4m3_activations):
+    """e4m3 experts (a scale per row), widened to bf16 in the kernel or multiplied with e4m3 activations (a
+    scale per row): against float64 over the dequantised weights and the activations as quantised, within twice
+    torch's bf16 error on the same."""
     tokens, experts, top_k, hidden, inter, empty = shape
     x, logits, w13, w2 = random_layer(tokens, experts, hidden, inter, empty, "cuda", torch.bfloat16)
     q13, s13, q2, s2 = quantized_experts(w13, w2)
     del w13, w2
-    out = fused_moe.fused_moe(x, logits, q13, q2, top_k, True, None, s13, s2)
+    out = fused_moe.fused_moe(x, logits, q13, q2, top_k, True, None, s13, s2, e4m3_activations)
     d13, d2 = dequantized(q13, s13), dequantized(q2, s2)
-    ref, _ = reference_moe(x, logits, d13, d2, top_k, True)
-    budget, _ = reference_moe(x, logits, d13, d2, top_k, True, torch.bfloat16)
+    ref, _ = reference_moe(x, logits, d13, d2, top_k, True, e4m3_activations=e4m3_activations)
+    budget, _ = reference_moe(x, logits, d13, d2, top_k, True, torch.bfloat16, e4m3_activations)
     err, torch_err = relative_error(out, ref), relative_error(budget, ref)
-    print(f"{shape}: fused e4m3 {err:.2e}, torch bf16 {torch_err:.2e}")
+    print(f"{shape}: fused e4m3 {'W8A8' if e4m3_activations else 'weights'} {err:.2e}, torch bf16 {torch_err:.2e}")
     assert err <= 2 * torch_err + 1e-3
 
 
@@ -153,7 +155,7 @@ def test_fp8_experts_graph_decode_equals_eager_within_fp8s_distance(tmp_path):
     CUDA-graph decode equals eager decode within FP8's distance from the bf16 model, and that distance is FP8's:
     larger than a dense model's, as e4m3's few percent per GEMM move router logits past the near ties between
     the 8th and 9th of 128 experts, which bf16 noise does not cross (measured 0.106-0.150 on an H100; the
-    fused e4m3 experts alone match float64 within bf16's error: test_fused_moe_fp8_weights_against_float64)."""
+    fused e4m3 experts alone match float64 within bf16's error: test_fused_moe_fp8_against_float64)."""
     path = save_random_hf_model(hf_config("qwen3-30b-a3b"), tmp_path / "moe")
     gen = torch.Generator().manual_seed(7)
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
