@@ -10,6 +10,8 @@ The top-k sum is a plain reduction over each token's pairs rather than atomic ad
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from models import fp8
@@ -20,7 +22,8 @@ try:
 except ImportError:  # CPU-only installs use models/moe.py's torch path
     triton = None
 
-# K steps are the same at every batch size, so a token's output does not depend on what it is batched with.
+# K steps are the same at every batch size, so a token's output does not depend on what it is batched with (FP8
+# experts: see block_k).
 BLOCK_K = 64
 
 if triton is not None:
@@ -90,15 +93,14 @@ if triton is not None:
     @triton.jit
     def _expert_matmul(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr,
                        route_w_ptr, num_pairs, N, K, expert_stride, TOP_K: tl.constexpr, GATE_UP: tl.constexpr,
-                       PRECISION: tl.constexpr, SCALED: tl.constexpr, A_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       PRECISION: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
         """One BLOCK_M x BLOCK_N tile of one expert's rows: ``out[pair] = f(A[row] @ W[expert].T)``.
 
         GATE_UP: A is the tokens (a pair's row is its token), W holds N gate rows then N up rows, f is SiLU(gate) x up.
-        Otherwise A is the pairs' activations and f scales by the pair's router weight. SCALED: W is e4m3 and each
-        output column's product is scaled by its row of ``w_scale`` ([experts, rows of W], float32) before f; A_FP8
-        (with SCALED): A is e4m3 too, with a float32 scale per row in ``a_scale``, and the tensor cores take both
-        as they are; otherwise W is widened exactly to A's dtype."""
+        Otherwise A is the pairs' activations and f scales by the pair's router weight. SCALED: A and W are e4m3,
+        multiplied as they are by the tensor cores, and each product is scaled by its row's ``a_scale`` ([rows of
+        A], float32) and its column's row of ``w_scale`` ([experts, rows of W], float32) before f."""
         pid = tl.program_id(0)
         tiles_n = tl.cdiv(N, BLOCK_N)
         block, tile = pid // tiles_n, pid % tiles_n
@@ -123,13 +125,9 @@ if triton is not None:
             a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
             w_ok = k_ok[:, None] & n_ok[None, :]
             w = tl.load(w_ptrs, mask=w_ok, other=0.0)
-            if SCALED and not A_FP8:
-                w = w.to(a_ptr.dtype.element_ty)
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
             if GATE_UP:
                 w_up = tl.load(w_ptrs + N * K, mask=w_ok, other=0.0)
-                if SCALED and not A_FP8:
-                    w_up = w_up.to(a_ptr.dtype.element_ty)
                 up = tl.dot(a, w_up, up, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
@@ -137,13 +135,10 @@ if triton is not None:
             rows_of_w = (2 if GATE_UP else 1) * N
             scale_ptrs = w_scale_ptr + expert * rows_of_w + n
             acc = acc * tl.load(scale_ptrs, mask=n_ok, other=0.0)[None, :]
-            if GATE_UP:
-                up = up * tl.load(scale_ptrs + N, mask=n_ok, other=0.0)[None, :]
-        if A_FP8:
             a_scale = tl.load(a_scale_ptr + rows, mask=valid, other=0.0)[:, None]
             acc = acc * a_scale
             if GATE_UP:
-                up = up * a_scale
+                up = up * tl.load(scale_ptrs + N, mask=n_ok, other=0.0)[None, :] * a_scale
         if GATE_UP:
             acc = acc * tl.sigmoid(acc) * up
         else:
@@ -197,22 +192,24 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int, tou
     return weights, sorted_pairs, block_expert, total
 
 
-def fp8_activations(block_m: int) -> bool:
-    """Whether e4m3 experts also take their activations in e4m3 (a scale per row, from the row's largest value):
-    at the wide tile, where the tensor cores bind and e4m3 x e4m3 runs at twice bf16's rate; below it the weights'
-    bytes bind, and widening them keeps the activations exact."""
-    return block_m >= 128
+def block_k(block_m: int, scaled: bool) -> int:
+    """K step: BLOCK_K, and twice that for e4m3 at the wide tile, where it measured 1.2-1.28x faster (its loads
+    are half bf16's bytes; scripts/bench_moe.py). A token's FP8 output may then differ in its last bits between a
+    prefill and a decode batch."""
+    return 2 * BLOCK_K if scaled and block_m >= 128 else BLOCK_K
 
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
               renormalize: bool, touched: torch.Tensor | None = None, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None, e4m3_activations: bool | None = None) -> torch.Tensor:
+              w2_scale: torch.Tensor | None = None,
+              act_amax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """``sum_k weight_k * down_k(SiLU(gate_k(x)) * up_k(x))`` over each token's top-k experts; ``w13`` is
     [experts, 2 * intermediate, hidden] (gate rows, then up rows), ``w2`` [experts, hidden, intermediate].
     ``touched`` (int64, one element), if given, gains the number of distinct experts this call used. With
     ``w13_scale`` [experts, 2 * intermediate] and ``w2_scale`` [experts, hidden] (float32), the weights are e4m3
     and each expert's weight is ``w * scale[:, None]``; the tokens and the SiLU x up rows are then quantised to
-    e4m3 per row where ``e4m3_activations`` says (by default where fp8_activations says)."""
+    e4m3 per row (fp8.quantize_rows), as the dense FP8 layers' inputs are; ``act_amax``, if given, is each SiLU x
+    up row's largest magnitude over the whole row, where a rank holds a slice of the intermediate (TP)."""
     tokens, hidden = x.shape
     experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -226,17 +223,20 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     scaled = w13_scale is not None
     if scaled != (w2_scale is not None):
         raise ValueError("fused_moe takes scales for both w13 and w2 (e4m3 weights) or for neither")
-    a8 = scaled and (fp8_activations(block_m) if e4m3_activations is None else e4m3_activations)
-    # Unread pointers (the scales a mode does not use) are given tensors of the right kind.
-    a, a_scale = fp8.quantize_rows(x) if a8 else (x, weights)
+    step = block_k(block_m, scaled)
+    # Unscaled, the scale pointers are not read: the router weights stand in for them (float32 like scales).
+    a, a_scale = fp8.quantize_rows(x) if scaled else (x, weights)
     _expert_matmul[(max_blocks * triton.cdiv(inter, block_n),)](
         a, a_scale, w13, w13_scale if scaled else weights, act, sorted_pairs, block_expert, total, weights,
-        num_pairs, inter, hidden, w13.stride(0), top_k, True, precision, scaled, a8, block_m, block_n, BLOCK_K,
+        num_pairs, inter, hidden, w13.stride(0), top_k, True, precision, scaled, block_m, block_n, step,
         num_warps=warps, num_stages=stages)
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    a, a_scale = fp8.quantize_rows(act) if a8 else (act, weights)
+    if scaled:
+        a, a_scale = fp8.quantize_rows(act, act_amax(act) if act_amax is not None else None)
+    else:
+        a, a_scale = act, weights
     _expert_matmul[(max_blocks * triton.cdiv(hidden, block_n),)](
         a, a_scale, w2, w2_scale if scaled else weights, out, sorted_pairs, block_expert, total, weights,
-        num_pairs, hidden, inter, w2.stride(0), top_k, False, precision, scaled, a8, block_m, block_n, BLOCK_K,
+        num_pairs, hidden, inter, w2.stride(0), top_k, False, precision, scaled, block_m, block_n, step,
         num_warps=warps, num_stages=stages)
     return out.view(tokens, top_k, hidden).sum(dim=1)

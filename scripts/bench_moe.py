@@ -2,8 +2,7 @@
 bytes it must read (the experts the router chose, once each), against a copy's bandwidth measured in the run.
 
     python scripts/bench_moe.py [--sweep] [--fp8]   # --sweep also times every tile of SWEEP at each shape;
-                                                    # --fp8 also e4m3 experts (weights alone, and weights and
-                                                    # activations), alternated with bf16 at each batch
+                                                    # --fp8 also e4m3 experts, alternated with bf16 at each batch
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ def time_graph(fn, reps: int = 50) -> float:  # noqa: ANN001
 
 
 def measure(shape: tuple[int, int, int, int], tokens: int, tile: tuple[int, int, int, int] | None,
-            e4m3: bool = False, e4m3_activations: bool | None = None) -> dict:
+            e4m3: bool = False) -> dict:
     experts, top_k, hidden, inter = shape
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -63,8 +62,7 @@ def measure(shape: tuple[int, int, int, int], tokens: int, tile: tuple[int, int,
     if tile is not None:
         fused_moe.tile = lambda pairs, experts: tile
     try:
-        seconds = time_graph(lambda: fused_moe.fused_moe(x, logits, w13, w2, top_k, True, None, *scales,
-                                                                e4m3_activations))
+        seconds = time_graph(lambda: fused_moe.fused_moe(x, logits, w13, w2, top_k, True, None, *scales))
     finally:
         fused_moe.tile = default
     weight_bytes = 3 * hidden * inter * w13.element_size() + (4 * (2 * inter + hidden) if e4m3 else 0)
@@ -88,15 +86,11 @@ def main() -> int:
             if args.sweep:
                 row["sweep"] = {str(t): round(measure(shape, tokens, t)["us"], 1) for t in SWEEP}
             row["share_of_copy_bandwidth"] = row["gbps"] / limits["hbm_gbps"]
-            if args.fp8:  # bf16 then each e4m3 mode, twice over: the node drifts between runs
-                modes = {"bf16": {}, "e4m3_weights": {"e4m3": True, "e4m3_activations": False},
-                         "e4m3_weights_and_activations": {"e4m3": True, "e4m3_activations": True}}
-                runs = [{m: measure(shape, tokens, None, **kw)["us"] for m, kw in modes.items()} for _ in range(2)]
-                row["fp8"] = {m: [r[m] for r in runs] for m in modes}
-                row["fp8"]["default_mode"] = ("e4m3_weights_and_activations"
-                                              if fused_moe.fp8_activations(row["tile"][0]) else "e4m3_weights")
-                for m in list(modes)[1:]:
-                    row["fp8"][m + "_over_bf16"] = sum(r[m] for r in runs) / sum(r["bf16"] for r in runs)
+            if args.fp8:  # bf16, e4m3, bf16, e4m3: the node drifts between runs
+                runs = [(measure(shape, tokens, None), measure(shape, tokens, None, e4m3=True)) for _ in range(2)]
+                row["fp8"] = {"us": [r[1]["us"] for r in runs], "bf16_us_alternated": [r[0]["us"] for r in runs],
+                              "gbps": [r[1]["gbps"] for r in runs],
+                              "fp8_over_bf16": sum(r[1]["us"] for r in runs) / sum(r[0]["us"] for r in runs)}
             print(name, json.dumps(row), flush=True)
             rows.append(row)
         results["shapes"][name] = rows

@@ -94,55 +94,36 @@ def test_fused_moe_matches_float64(shape):
         assert empty not in ids
 
 
-@pytest.mark.parametrize("shape", SHAPES[:3])
+# The first three, and one at the wide tile, whose FP8 K step is twice BLOCK_K (hidden and intermediate not
+# multiples of it).
+FP8_SHAPES = [*SHAPES[:3], (200, 4, 2, 160, 72, True, None)]
+
+
+@pytest.mark.parametrize("shape", FP8_SHAPES)
 def test_fused_moe_with_fp8_weights_matches_float64_of_their_values(shape):
-    """e4m3 experts widen exactly and take their row scales after the product: the reference is float64 over the
-    dequantised weights, so only the float32 accumulation differs."""
+    """e4m3 experts multiply e4m3 activations (a scale per row): the reference is float64 over the dequantised
+    weights and the activations as quantised, so only the float32 accumulation differs."""
     tokens, experts, top_k, hidden, inter, renormalize, empty = shape
     x, logits, w13, w2 = random_layer(tokens, experts, hidden, inter, empty)
     q13, s13, q2, s2 = quantized_experts(w13, w2)
+    assert (fused_moe.block_k(fused_moe.tile(tokens * top_k, experts)[0], True) > fused_moe.BLOCK_K) == (
+        shape is FP8_SHAPES[-1])
     out = fused_moe.fused_moe(x, logits, q13, q2, top_k, renormalize, None, s13, s2)
-    ref, _ = reference_moe(x, logits, dequantized(q13, s13), dequantized(q2, s2), top_k, renormalize)
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
-    # e4m3 weights against the unquantised layer: one e4m3 GEMM errs about 3.7% on Gaussian weights, two in a
-    # row about 5% (measured 3.7-4.7% at these shapes).
-    unquantized, _ = reference_moe(x, logits, w13, w2, top_k, renormalize)
-    err = relative_error(out, unquantized)
-    print(f"{shape}: e4m3 experts {err:.3e} from the unquantised layer")
-    assert 1e-3 < err < 0.08
-    with pytest.raises(ValueError, match="both w13 and w2"):
-        fused_moe.fused_moe(x, logits, q13, q2, top_k, renormalize, None, s13, None)
-
-
-@pytest.mark.parametrize("shape", SHAPES[:3])
-def test_fused_moe_with_fp8_activations_matches_float64_of_their_values(shape):
-    """e4m3 x e4m3: against float64 over the dequantised weights and the activations as quantised per row."""
-    tokens, experts, top_k, hidden, inter, renormalize, empty = shape
-    x, logits, w13, w2 = random_layer(tokens, experts, hidden, inter, empty)
-    q13, s13, q2, s2 = quantized_experts(w13, w2)
-    out = fused_moe.fused_moe(x, logits, q13, q2, top_k, renormalize, None, s13, s2, e4m3_activations=True)
     d13, d2 = dequantized(q13, s13), dequantized(q2, s2)
     ref, _ = reference_moe(x, logits, d13, d2, top_k, renormalize, e4m3_activations=True)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
-    # The activations did go through e4m3: against exact activations on the same weights, an error of the size
-    # of one more e4m3 rounding of each GEMM's input.
+    # The activations did go through e4m3: against exact ones on the same weights, about one more e4m3
+    # rounding per GEMM input (3.2-3.7% measured at these shapes).
     weight_only, _ = reference_moe(x, logits, d13, d2, top_k, renormalize)
-    err = relative_error(out, weight_only)
-    print(f"{shape}: e4m3 activations {err:.3e} from exact ones")
-    assert 1e-3 < err < 0.08
-
-
-def test_fused_moe_takes_e4m3_activations_at_the_wide_tile_only():
-    """By default: exact activations where the weights' bytes bind (a decode batch), e4m3 ones at the wide tile."""
-    for tokens, experts, wide in ((6, 4, False), (200, 4, True)):
-        x, logits, w13, w2 = random_layer(tokens, experts, 64, 32, None)
-        q13, s13, q2, s2 = quantized_experts(w13, w2)
-        assert fused_moe.fp8_activations(fused_moe.tile(tokens * 2, experts)[0]) == wide
-        default = fused_moe.fused_moe(x, logits, q13, q2, 2, True, None, s13, s2)
-        for forced in (False, True):
-            same = torch.equal(default, fused_moe.fused_moe(x, logits, q13, q2, 2, True, None, s13, s2,
-                                                            e4m3_activations=forced))
-            assert same == (forced == wide)
+    assert 1e-2 < relative_error(out, weight_only) < 0.08
+    # Against the unquantised layer: one e4m3 GEMM errs about 3.7% on Gaussian weights and inputs, so two with
+    # both quantised about 5-7%.
+    unquantized, _ = reference_moe(x, logits, w13, w2, top_k, renormalize)
+    err = relative_error(out, unquantized)
+    print(f"{shape}: e4m3 experts {err:.3e} from the unquantised layer")
+    assert 1e-2 < err < 0.12
+    with pytest.raises(ValueError, match="both w13 and w2"):
+        fused_moe.fused_moe(x, logits, q13, q2, top_k, renormalize, None, s13, None)
 
 
 def test_route_layout_is_each_experts_pairs_padded_to_blocks():

@@ -247,12 +247,15 @@ def test_fp8_experts_store_each_checkpoint_row_quantised(moe_dir):
         assert torch.equal(got["experts"][f"{w}_scale"], scale.view(full.shape[:2])), (name, w)
 
 
-def test_an_fp8_experts_checkpoint_gives_its_dequantised_models_logits(moe_dir, tmp_path):
-    """A checkpoint with only its experts in FP8 (per channel): run in e4m3 (auto), the model gives the logits of
-    the same checkpoint dequantised (none) up to float32 rounding: the scales apply after the product instead of
-    before, nothing else differs. (How far e4m3 experts move these tiny random models' logits says little: their
-    routers flip on any nudge; tests/test_fused_moe.py measures a layer's error against float64.)"""
+def test_an_fp8_experts_checkpoint_runs_its_dequantised_weights(moe_dir, tmp_path):
+    """A checkpoint with only its experts in FP8 (per channel): run in e4m3 (auto), a sparse layer is float64 over
+    the weights the same checkpoint dequantises to (none), with its inputs quantised to e4m3 per row, up to
+    float32 rounding. (How far that moves these tiny random models' logits says little: their routers flip on any
+    nudge; tests/test_fused_moe.py measures a layer's error against the unquantised one.)"""
+    import torch.nn.functional as F
+
     from tests.test_fp8_checkpoint import _compressed_tensors, _ct_weights, _write_fp8
+    from tests.test_fused_moe import reference_moe
 
     name, path = moe_dir
     config = _compressed_tensors({"experts": (["re:.*experts.*"], _ct_weights("channel"))}, [])
@@ -261,12 +264,18 @@ def test_an_fp8_experts_checkpoint_gives_its_dequantised_models_logits(moe_dir, 
     fp8_run = make_engine(ckpt, "model.quantization=auto")
     layer0 = fp8_run.model.model.layers[0]
     assert layer0.mlp.experts.w13_scale is not None and not layer0.self_attn.qkv_proj.fp8
-    ours = prefill_logits(fp8_run, prompts, chunk=16, decode_tail=4)
-    dequantized = prefill_logits(make_engine(ckpt, "model.quantization=none"), prompts, chunk=16, decode_tail=4)
+    dequantized_run = make_engine(ckpt, "model.quantization=none")
+    ours, theirs = fp8_run.model.model.layers[0].mlp, dequantized_run.model.model.layers[0].mlp
+    x = torch.randn(70, theirs.gate.weight.shape[1], generator=torch.Generator().manual_seed(3))
+    ref, _ = reference_moe(x, F.linear(x, theirs.gate.weight), theirs.experts.w13, theirs.experts.w2, ours.top_k,
+                           ours.renormalize, e4m3_activations=True)
+    with torch.no_grad():
+        assert relative_error(ours(x), ref) <= 1e-5, name
+    dequantized = prefill_logits(dequantized_run, prompts, chunk=16, decode_tail=4)
     original = prefill_logits(make_engine(path), prompts, chunk=16, decode_tail=4)
-    for o, d, orig in zip(ours, dequantized, original):
-        assert relative_error(o, d) <= 1e-5, name
+    for fp8_logits, d, orig in zip(prefill_logits(fp8_run, prompts, chunk=16, decode_tail=4), dequantized, original):
         assert relative_error(d, orig) > 1e-3, name  # the experts were quantised
+        print(f"{name}: e4m3 experts' logits {relative_error(fp8_logits, d):.3e} from the dequantised run's")
     # Written back in the checkpoint's names: the e4m3 values and their scales, as stored.
     from safetensors.torch import load_file
 
@@ -315,6 +324,7 @@ def test_fp8_experts_torch_path_stays_finite_in_float16():
 
     from models import fp8
     from models.moe import Experts
+    from tests.test_fused_moe import e4m3_round_trip
 
     experts = Experts(2, 64, 32, "moe_intermediate_size", quantized=True)
     gen = torch.Generator().manual_seed(0)
@@ -323,6 +333,6 @@ def test_fp8_experts_torch_path_stays_finite_in_float16():
         w.data, scale.data = values.view(w.shape), row_scale.view(scale.shape)
     x = (20 * torch.randn(5, 64, generator=gen)).half()
     out = experts.linear(x, F.linear, 1, down=False)
-    ref = x.double() @ (experts.w13[1].double() * experts.w13_scale[1].double()[:, None]).T
+    ref = e4m3_round_trip(x) @ (experts.w13[1].double() * experts.w13_scale[1].double()[:, None]).T
     assert out.dtype == torch.float16 and torch.isfinite(out).all()
     assert relative_error(out, ref) < 1e-3
