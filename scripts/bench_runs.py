@@ -128,7 +128,7 @@ def expert_bytes(model) -> tuple[int, int]:  # noqa: ANN001
 def roofline_seconds(llm, log: StepLog, limits: dict[str, float], touched: list[int] | None = None) -> float:  # noqa: ANN001
     """With ``touched`` (distinct experts per step, summed over layers), a step reads only those experts' weights.
     Bytes come from the tensors as stored (FP8 weights: one byte, and their scales); FP8 weights' matmuls run
-    at the FP8 peak, but FP8 experts' at the bf16 peak (weight-only: their activations stay bf16)."""
+    at the FP8 peak (their inputs are quantised too)."""
     mc = llm.model_config
     model = llm.engine.model
     all_experts, one_expert = expert_bytes(model)
@@ -136,14 +136,14 @@ def roofline_seconds(llm, log: StepLog, limits: dict[str, float], touched: list[
     one_expert_one_layer = one_expert // max(len(mc.sparse_layers), 1)
     bf16_peak = limits["bf16_tflops"] * 1e12
 
-    def flop_seconds(p: torch.Tensor, params: int, fp8_peak: bool = True) -> float:  # a matmul reading p's weights
-        return 2 * params / (limits["fp8_tflops"] * 1e12 if p.element_size() == 1 and fp8_peak else bf16_peak)
+    def flop_seconds(p: torch.Tensor, params: int) -> float:  # a matmul reading p's weights
+        return 2 * params / (limits["fp8_tflops"] * 1e12 if p.element_size() == 1 else bf16_peak)
 
     matmul_s_per_token = 0.0
     for n, p in model.named_parameters():
         if not any(skip in n for skip in ("norm", "embed", "scale")):
             if ".experts." in n:  # a token runs its top-k experts only
-                matmul_s_per_token += flop_seconds(p, mc.experts_per_token * p[0].numel(), fp8_peak=False)
+                matmul_s_per_token += flop_seconds(p, mc.experts_per_token * p[0].numel())
             else:
                 matmul_s_per_token += flop_seconds(p, p.numel())
     if mc.tie_word_embeddings:
