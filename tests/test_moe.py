@@ -220,16 +220,21 @@ def test_real_shape_configs_load_as_their_family(name, arch, params_b, sparse):
 
 
 def fp8_experts_and_logits(rank: int, model_dir: str, prompts: list[list[int]], quantization: str = "fp8") -> dict:
-    """Layer 0's experts as stored (e4m3 bits, scales) under ``quantization``, and the logits of ``prompts``."""
+    """Layer 0's experts as stored (e4m3 bits, scales) under ``quantization``, its output on seeded rows, and the
+    logits of ``prompts``."""
     engine = make_engine(model_dir, f"model.quantization={quantization}", "cache.page_size=4")
-    experts = engine.model.model.layers[0].mlp.experts
+    mlp = engine.model.model.layers[0].mlp
+    experts = mlp.experts
+    x = torch.randn(40, mlp.gate.weight.shape[1], generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        layer = mlp(x)
     stored = {"w13": experts.w13.data.view(torch.uint8).clone(), "w2": experts.w2.data.view(torch.uint8).clone(),
               "w13_scale": experts.w13_scale.clone(), "w2_scale": experts.w2_scale.clone()} \
         if quantization == "fp8" else {"w13": experts.w13.data.clone(), "w2": experts.w2.data.clone()}
     logits = prefill_logits(engine, prompts, chunk=16, decode_tail=4)
-    del engine, experts
+    del engine, experts, mlp
     gc.collect()
-    return {"experts": stored, "logits": logits}
+    return {"experts": stored, "layer": layer, "logits": logits}
 
 
 def test_fp8_experts_store_each_checkpoint_row_quantised(moe_dir):
@@ -295,8 +300,9 @@ def test_an_fp8_experts_checkpoint_runs_its_dequantised_weights(moe_dir, tmp_pat
 @pytest.mark.slow
 def test_fp8_experts_at_tp2_store_tp1_weights_and_give_its_logits(moe_dir):
     """Gate/up rows and down columns of TP=1's e4m3 values on each rank; down's scales are TP=1's, taken over
-    whole rows. The logits differ from TP=1's only by the all-reduce's order, magnified by FP8 rounding of the
-    activations: less than FP8's own distance from the unquantised model."""
+    whole rows, and so are the SiLU x up rows' e4m3 scales: the layer gives TP=1's output up to the all-reduce's
+    order. The logits differ from TP=1's only by that, magnified by FP8 rounding of the activations: less than
+    FP8's own distance from the unquantised model."""
     name, path = moe_dir
     prompts = _prompts(6, (7, 40))
     ref = fp8_experts_and_logits(0, str(path), prompts)
@@ -311,6 +317,7 @@ def test_fp8_experts_at_tp2_store_tp1_weights_and_give_its_logits(moe_dir):
         assert torch.equal(got["experts"]["w13_scale"], full["w13_scale"][:, rows]), name
         assert torch.equal(got["experts"]["w2"], full["w2"][:, :, mine]), name
         assert torch.equal(got["experts"]["w2_scale"], full["w2_scale"]), name
+        assert relative_error(got["layer"], ref["layer"]) <= 1e-5, name
         for ours, theirs, unquantized in zip(got["logits"], ref["logits"], exact):
             assert relative_error(ours, theirs) <= relative_error(theirs, unquantized), name
     for ours, first in zip(ranks[1]["logits"], ranks[0]["logits"]):
