@@ -274,6 +274,15 @@ class QKVParallelLinear(ColumnParallelLinear):
         return slice(offset, offset + size), (slice(start, start + size),)
 
 
+def whole_row_amax(x: torch.Tensor) -> torch.Tensor | None:
+    """Each row's largest magnitude over every rank's slice of it, for the input of a layer whose input features
+    are split over the TP ranks: its e4m3 scale, and the result, are then TP=1's (one small all-reduce; see
+    ARCHITECTURE.md). None at TP=1, where the row is whole."""
+    if get_tp().size == 1:
+        return None
+    return all_reduce_max(x.reshape(-1, x.shape[-1]).abs().amax(dim=-1).float())
+
+
 class RowParallelLinear(_Linear):
     """Input features split over ranks; partial sums all-reduced, then the bias added once."""
 
@@ -292,11 +301,7 @@ class RowParallelLinear(_Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale is not None:
-            # Each token's scale from its whole row, as at TP=1 (one small all-reduce; see ARCHITECTURE.md).
-            amax = None
-            if get_tp().size > 1:
-                amax = all_reduce_max(x.reshape(-1, x.shape[-1]).abs().amax(dim=-1).float())
-            out = all_reduce(fp8.linear(x, self.weight, self.weight_scale, None, amax))
+            out = all_reduce(fp8.linear(x, self.weight, self.weight_scale, None, whole_row_amax(x)))
         elif self.linear_fn is F.linear:
             out = linear_all_reduce(x, self.weight)  # may write the GEMM straight into the all-reduce's buffer
         else:

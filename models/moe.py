@@ -15,9 +15,9 @@ from torch import nn
 
 from models import fp8, fused_moe
 from models.config import ModelConfig
-from models.layers import SliceSource, as_fp8_rows, copy_into, divide, load_replicated, new_param
+from models.layers import SliceSource, as_fp8_rows, copy_into, divide, load_replicated, new_param, whole_row_amax
 from models.ops import Kernels
-from parallel import all_reduce, all_reduce_max, get_tp
+from parallel import all_reduce, get_tp
 
 # Checkpoint names of one expert's projections -> (gate_up shard 0 | 1, or down): Qwen3-MoE and Mixtral spellings.
 _EXPERT = re.compile(r"^(?P<layer>model\.layers\.\d+\.)(?:mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\."
@@ -113,12 +113,6 @@ class Experts(nn.Module):
         if scale is None:
             return linear(x, weight[expert])
         return fp8.linear(x, weight[expert], scale[expert], None, whole_row_amax(x) if down else None)
-
-
-def whole_row_amax(x: torch.Tensor) -> torch.Tensor | None:
-    """Under TP a rank holds a slice of each SiLU x up row: the row's largest magnitude over every rank's slice,
-    so its e4m3 scale, and the result, are TP=1's (as a row-parallel FP8 layer's input); None at TP=1."""
-    return all_reduce_max(x.abs().amax(dim=-1).float()) if get_tp().size > 1 else None
 
 
 class Router(nn.Module):
