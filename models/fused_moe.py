@@ -47,6 +47,9 @@ if triton is not None:
         for j in tl.static_range(TOP_K):
             best = tl.max(probs, axis=1)
             expert = tl.min(tl.where(probs == best[:, None], cols[None, :], E_P2), axis=1)
+            # A NaN row (a NaN or +inf logit) equals no maximum: keep its ids in range; its weights are NaN, so its
+            # output is NaN, as on the torch path, and no other token's is touched.
+            expert = tl.minimum(expert, E - 1)
             chosen_w = tl.where(slots[None, :] == j, best[:, None], chosen_w)
             chosen_id = tl.where(slots[None, :] == j, expert[:, None], chosen_id)
             probs = tl.where(cols[None, :] == expert[:, None], -1.0, probs)

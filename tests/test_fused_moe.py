@@ -145,6 +145,27 @@ def test_route_layout_is_each_experts_pairs_padded_to_blocks():
     assert (block_expert[total.item() // block_m :] == experts).all()  # past the end: no expert
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computes with the NaN row
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_token_with_a_nan_router_logit_spoils_only_its_own_output(bad):
+    """A NaN (or +inf: inf - inf) logit makes its token's probabilities NaN; the token must still be routed to
+    experts that exist (an id past the last would be written out of bounds), its output is NaN as on the torch
+    path, and every other token's output is what it is without that token's logits spoiled."""
+    tokens, experts, top_k, hidden, inter = 9, 6, 2, 48, 32
+    x, logits, w13, w2 = random_layer(tokens, experts, hidden, inter, None)
+    spoiled = logits.clone()
+    spoiled[4, 2] = bad
+    _, sorted_pairs, block_expert, total = fused_moe.route(spoiled, top_k, True, 16)
+    rows = sorted_pairs[: total.item()]
+    assert sorted(rows[rows < tokens * top_k].tolist()) == list(range(tokens * top_k))
+    assert (block_expert[: total.item() // 16] < experts).all()
+    out = fused_moe.fused_moe(x, spoiled, w13, w2, top_k, True)
+    clean = fused_moe.fused_moe(x, logits, w13, w2, top_k, True)
+    assert out[4].isnan().all()
+    others = torch.arange(tokens) != 4
+    torch.testing.assert_close(out[others], clean[others], rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("quantization", ["none", "fp8"])
 def test_sparse_moe_fused_equals_its_torch_path(quantization):
     cfg = ModelConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,

@@ -67,6 +67,21 @@ def test_fused_moe_fp8_against_float64(shape):
     assert err <= 2 * torch_err + 1e-3
 
 
+def test_a_nan_router_logit_spoils_only_its_own_tokens_output():
+    """Compiled, an expert id past the last (what a NaN row's top-k gave before) is an out-of-bounds write: the
+    NaN token's output is NaN and every other token's is what it is when that token's logits are finite."""
+    tokens, experts, top_k, hidden, inter, _ = KERNEL_SHAPES[1]
+    x, logits, w13, w2 = random_layer(tokens, experts, hidden, inter, None, "cuda", torch.bfloat16)
+    spoiled = logits.clone()
+    spoiled[4, 9] = float("nan")
+    out = fused_moe.fused_moe(x, spoiled, w13, w2, top_k, True)
+    clean = fused_moe.fused_moe(x, logits, w13, w2, top_k, True)
+    torch.cuda.synchronize()
+    assert out[4].isnan().all()
+    others = torch.arange(tokens, device="cuda") != 4
+    torch.testing.assert_close(out[others], clean[others], rtol=1e-3, atol=1e-3)
+
+
 def routed_without_heavy_near_ties(model, seq: list[int], start: int, top_k: int) -> bool:  # noqa: ANN001
     """Whether HF float32's routers, at the scored positions and the few before them, keep every chosen expert
     that carries a quarter or more of its layer's output clear of the best one left out. bf16 moves a router
