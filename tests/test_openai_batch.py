@@ -97,6 +97,45 @@ def test_chat_body_fields_that_change_no_answer_are_accepted():
                                  DEFAULTS) == plain
 
 
+def test_neutral_values_clients_fill_in_are_accepted_and_change_nothing():
+    messages = [{"role": "user", "content": "x"}]
+    plain = openai_api.parse_body(CHAT, {"messages": messages}, DEFAULTS)
+    filled = {"response_format": {"type": "text"}, "tool_choice": "none", "parallel_tool_calls": False}
+    assert openai_api.parse_body(CHAT, {"messages": messages, **filled}, DEFAULTS) == plain
+    with pytest.raises(openai_api.RequestError, match=r"response_format=\{'type': 'json_object'\} is not supported"):
+        openai_api.parse_body(CHAT, {"messages": messages, "response_format": {"type": "json_object"}}, DEFAULTS)
+    with pytest.raises(openai_api.RequestError, match="tool_choice='required' is not supported"):
+        openai_api.parse_body(CHAT, {"messages": messages, "tool_choice": "required"}, DEFAULTS)
+
+
+def test_developer_messages_are_system_messages_and_unknown_roles_are_refused():
+    as_developer = openai_api.parse_body(CHAT, {"messages": [{"role": "developer", "content": "be brief"},
+                                                             {"role": "user", "content": "x"}]}, DEFAULTS)
+    as_system = openai_api.parse_body(CHAT, {"messages": [{"role": "system", "content": "be brief"},
+                                                          {"role": "user", "content": "x"}]}, DEFAULTS)
+    assert as_developer == as_system and as_system[0][0]["role"] == "system"
+    for role in ("tool", "robot"):
+        with pytest.raises(openai_api.RequestError, match=rf"messages\[1\].role='{role}' is not one of"):
+            openai_api.parse_body(CHAT, {"messages": [{"role": "user", "content": "x"},
+                                                      {"role": role, "content": "y"}]}, DEFAULTS)
+
+
+def test_openai_ranges_of_seed_and_top_p_map_onto_ours():
+    def sampling(**body):
+        return openai_api.parse_body(COMPLETIONS, {"prompt": "x", **body}, DEFAULTS)[1]
+    # OpenAI's seeds are int64: a negative one is taken modulo 2**63, so it is as reproducible as any other.
+    assert sampling(seed=-1).seed == 2**63 - 1 and sampling(seed=-2**63).seed == 0
+    assert sampling(seed=-5) == sampling(seed=2**63 - 5) != sampling(seed=5)
+    with pytest.raises(openai_api.RequestError, match="seed="):
+        sampling(seed=-2**63 - 1)
+    # top_p=0 (OpenAI's range is [0, 1]): the nucleus is the most likely token alone.
+    greedy_nucleus = sampling(top_p=0, top_k=40, temperature=0.7)
+    assert (greedy_nucleus.top_p, greedy_nucleus.top_k, greedy_nucleus.temperature) == (1.0, 1, 0.7)
+    assert sampling(top_p=0.5).top_p == 0.5 and sampling(top_p=0.5).top_k == DEFAULTS.top_k
+    with pytest.raises(openai_api.RequestError, match="top_p=-0.1"):
+        sampling(top_p=-0.1)
+
+
 @pytest.mark.parametrize(("url", "body", "message"), [
     (COMPLETIONS, {"prompt": "x", "echo": 1}, "echo=1 must be true or false"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, "max_tokens=0 generates nothing: it needs echo=true"),

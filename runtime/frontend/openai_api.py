@@ -33,7 +33,11 @@ _ALLOWED = {
 # Accepted only at the value that changes nothing (clients send them filled in).
 _NEUTRAL: dict[str, tuple[Any, ...]] = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
                                         "stream": (False,), "logit_bias": ({},), "best_of": (1,),
-                                        "suffix": ("",)}
+                                        "suffix": ("",), "response_format": ({"type": "text"},),
+                                        "tool_choice": ("none", "auto"), "parallel_tool_calls": (True, False)}
+# OpenAI's chat roles without tools; "developer" is its newer name for "system", which chat templates know.
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+SEED_RANGE = 2**63  # SamplingParams' seeds; OpenAI's are int64, so a negative one is taken modulo this
 _STREAMING = {"stream", "stream_options"}
 _PASSED = ("temperature", "top_p", "n", "stop", "seed", "top_k", "ignore_eos", "stop_token_ids")
 
@@ -118,6 +122,11 @@ def _parse(url: str, body: dict[str, Any], defaults: SamplingParams, server: boo
         raise RequestError("invalid_request", f"'model' must be a string, not {model!r}", "model")
     prompts = [parse_messages(body.get("messages"))] if url == CHAT else _prompts(body.get("prompt"), many=server)
     values = {name: body[name] for name in _PASSED if name in body}
+    seed = values.get("seed")
+    if type(seed) is int and -SEED_RANGE <= seed < 0:
+        values["seed"] = seed % SEED_RANGE
+    if values.get("top_p") == 0 and type(values["top_p"]) in (int, float):
+        values["top_p"], values["top_k"] = 1.0, 1  # OpenAI allows 0: a nucleus of the most likely token alone
     names = {"max_new_tokens": "max_tokens"}
     lengths = {k: body[k] for k in ("max_completion_tokens", "max_tokens") if k in body}
     if len(set(map(repr, lengths.values()))) > 1:
@@ -223,7 +232,11 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
         if not isinstance(content, str):
             raise RequestError("invalid_request", f"messages[{i}].content must be a string or a list of text parts",
                                "messages")
-        messages.append({"role": message["role"], "content": content})
+        role = _ROLES.get(message["role"])
+        if role is None:
+            raise RequestError("invalid_request", f"messages[{i}].role={message['role']!r} is not one of "
+                                                  f"{sorted(_ROLES)} (tools are not supported)", "messages")
+        messages.append({"role": role, "content": content})
     return messages
 
 
