@@ -104,7 +104,7 @@ def test_neutral_values_clients_fill_in_are_accepted_and_change_nothing():
     assert openai_api.parse_body(CHAT, {"messages": messages, **filled}, DEFAULTS) == plain
     with pytest.raises(openai_api.RequestError, match=r"response_format=\{'type': 'json_object'\} is not supported"):
         openai_api.parse_body(CHAT, {"messages": messages, "response_format": {"type": "json_object"}}, DEFAULTS)
-    with pytest.raises(openai_api.RequestError, match="tool_choice='required' is not supported"):
+    with pytest.raises(openai_api.RequestError, match="tool_choice='required' is not supported \\(only 'none' or 'auto'\\)"):
         openai_api.parse_body(CHAT, {"messages": messages, "tool_choice": "required"}, DEFAULTS)
 
 

@@ -116,7 +116,8 @@ def _parse(url: str, body: dict[str, Any], defaults: SamplingParams, server: boo
         raise RequestError("invalid_request", f"unsupported parameter(s) {unknown} for {url}", unknown[0])
     for name, neutral in _NEUTRAL.items():
         if name in body and not any(body[name] == v and type(body[name]) is type(v) for v in neutral):
-            raise RequestError("invalid_request", f"{name}={body[name]!r} is not supported (only {neutral[0]!r})", name)
+            accepted = " or ".join(map(repr, neutral))
+            raise RequestError("invalid_request", f"{name}={body[name]!r} is not supported (only {accepted})", name)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError("invalid_request", f"'model' must be a string, not {model!r}", "model")
