@@ -9,6 +9,7 @@ from typing import Any
 
 MAX_LOGPROBS = 20
 MAX_N = 128
+SEED_LIMIT = 2**63  # seeds are in [0, SEED_LIMIT): the sampler keys its noise by a signed 64-bit integer
 # Below this a temperature samples the argmax (as vLLM treats it): 1/t would overflow float32 near 3e-39, and
 # logits scaled by 1e5 already leave no other token a chance.
 GREEDY_TEMPERATURE = 1e-5
@@ -82,7 +83,7 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be a list of integer token ids >= 0")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "must be true or false (a JSON boolean, not a string)")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
             raise bad("seed", "must be an integer in [0, 2**63)")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from runtime.frontend.tokenizer import decode_continuation
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import SEED_LIMIT, SamplingParams
 
 if TYPE_CHECKING:
     from runtime.batch import TokenLogprob
@@ -37,7 +37,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {"frequency_penalty": (0, 0.0), "presence
                                         "tool_choice": ("none", "auto"), "parallel_tool_calls": (True, False)}
 # OpenAI's chat roles without tools; "developer" is its newer name for "system", which chat templates know.
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-SEED_RANGE = 2**63  # SamplingParams' seeds; OpenAI's are int64, so a negative one is taken modulo this
 _STREAMING = {"stream", "stream_options"}
 _PASSED = ("temperature", "top_p", "n", "stop", "seed", "top_k", "ignore_eos", "stop_token_ids")
 
@@ -124,8 +123,8 @@ def _parse(url: str, body: dict[str, Any], defaults: SamplingParams, server: boo
     prompts = [parse_messages(body.get("messages"))] if url == CHAT else _prompts(body.get("prompt"), many=server)
     values = {name: body[name] for name in _PASSED if name in body}
     seed = values.get("seed")
-    if type(seed) is int and -SEED_RANGE <= seed < 0:
-        values["seed"] = seed % SEED_RANGE
+    if type(seed) is int and -SEED_LIMIT <= seed < 0:
+        values["seed"] = seed % SEED_LIMIT  # OpenAI's seeds are int64: as reproducible as any other
     if values.get("top_p") == 0 and type(values["top_p"]) in (int, float):
         values["top_p"], values["top_k"] = 1.0, 1  # OpenAI allows 0: a nucleus of the most likely token alone
     names = {"max_new_tokens": "max_tokens"}
