@@ -196,6 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.serve and replicas(cfg, world) > 1:
         return serve_needs_one_replica(cfg, world)
+    if args.serve and int(os.environ.get("RANK", "0")) == 0:  # rank 0 listens; a bad address fails before the load
+        from runtime.frontend.server import listen_problem
+
+        problem = listen_problem(cfg.server.host, cfg.server.port)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
     if bool(cfg.job.input) != bool(cfg.job.output):
         print("error: config keys 'job.input' and 'job.output' must be set together", file=sys.stderr)
         return 2

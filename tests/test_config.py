@@ -417,6 +417,20 @@ def test_launch_serve_after_the_overrides_is_named():
     assert "not of the form key=value" not in proc.stderr
 
 
+def test_launch_serve_on_a_busy_port_or_a_bad_host_fails_before_the_model_loads():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = run_launch("serve", "engine.device=cpu", f"server.port={port}")
+    assert proc.returncode == 2 and f"error: cannot listen on 127.0.0.1:{port} (server.host, server.port)" in proc.stderr
+    assert "weights" not in proc.stderr + proc.stdout, proc.stderr  # nothing loaded
+    proc = run_launch("serve", "engine.device=cpu", "server.host=127.0.0.256", "server.port=0")
+    assert proc.returncode == 2 and "error: cannot listen on 127.0.0.256:0" in proc.stderr, proc.stderr
+
+
 def test_launch_a_value_list_without_sweep_points_to_sweep():
     proc = run_launch("sampling.temperature=0,0.7")
     assert proc.returncode == 2

@@ -104,8 +104,17 @@ def test_server_requests_parse_streaming_and_several_prompts_and_refuse_bad_ones
     prompts, sampling, spec = parse_request("/v1/completions", {"prompt": ["a", [1, 2]], "stream": True,
                                                                 "stream_options": {"include_usage": True}}, defaults)
     assert prompts == ["a", [1, 2]] and spec.stream and spec.include_usage and sampling.max_new_tokens == 8
+    # Every stream option the API has; null is its default. This server never pads chunks (include_obfuscation).
+    for options, usage in [({"include_usage": None}, False), ({"include_obfuscation": False}, False),
+                           ({"include_usage": True, "include_obfuscation": True}, True)]:
+        _, _, spec = parse_request("/v1/completions", {"prompt": "a", "stream": True, "stream_options": options},
+                                   defaults)
+        assert spec.stream and spec.include_usage == usage
     for body, message in [({"prompt": "a", "stream": "yes"}, "stream="),
                           ({"prompt": "a", "stream_options": {"include_usage": True}}, "needs stream=true"),
+                          ({"prompt": "a", "stream": True, "stream_options": {"include_obfuscation": 1}},
+                           "include_obfuscation=1 must be true or false"),
+                          ({"prompt": "a", "stream": True, "stream_options": {"chunk_size": 4}}, "are supported"),
                           ({"prompt": "a", "frequency_penalty": 0.5}, "frequency_penalty"),
                           ({"prompt": "a", "echo": "yes"}, "echo="),
                           ({"prompt": "a", "max_tokens": 0}, "needs echo=true"),
@@ -495,9 +504,9 @@ def test_a_long_prompt_being_tokenized_holds_up_no_other_request(server):
 
 @pytest.mark.slow
 def test_bad_bodies_get_400_in_openais_shape_and_the_server_stays_up(server, client):
-    def post(body: bytes, path: str = "/v1/chat/completions") -> tuple[int, dict]:
+    def post(body: bytes, path: str = "/v1/chat/completions", kind: str = "application/json") -> tuple[int, dict]:
         request = urllib.request.Request(server + path, data=body, method="POST", headers={
-            "Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+            "Authorization": f"Bearer {KEY}", "Content-Type": kind})
         try:
             with urllib.request.urlopen(request, timeout=30) as response:
                 return response.status, json.loads(response.read())
@@ -511,6 +520,11 @@ def test_bad_bodies_get_400_in_openais_shape_and_the_server_stays_up(server, cli
         status, answer = post(body)
         assert status == 400, (body[:60], answer)
         assert set(answer["error"]) == {"message", "type", "param", "code"} and answer["error"]["message"]
+    # Not a server error either: a charset Python does not know, JSON nested past Python's recursion limit.
+    status, answer = post(b'{"prompt": "x", "max_tokens": 1}', "/v1/completions", "application/json; charset=bogus")
+    assert status == 400 and answer["error"]["code"] == "invalid_json", answer
+    status, answer = post(b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "/v1/completions")
+    assert status == 400 and answer["error"]["code"] == "invalid_json", answer
     assert post(b'{"prompt": "x"}', "/v1/nowhere")[0] == 404
     status, answer = post(b'{"prompt": [5, 6, 7], "max_tokens": 1000000}', "/v1/completions")
     assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer  # not cut short

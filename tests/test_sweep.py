@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from runtime.config import ConfigError
+from runtime.config import ConfigError, RuntimeConfig
 from runtime.frontend import job as job_module
 from runtime.frontend import sweep
 from runtime.frontend.job_files import JsonlAppender
@@ -316,8 +316,12 @@ def test_a_list_axis_runs_and_a_run_that_serves_no_row_fails(model_dir, rows, tm
     ({"grid": {"job.output": ["a.jsonl"]}}, "['job.output'] cannot be swept"),
     ({"grid": {"sampling.temperature": [0.0]}, "plot": {"y": "nope"}}, "plot y 'nope' is not a results column"),
     ({"grd": {"sampling.temperature": [0.0]}}, "unknown sweep key 'grd'; did you mean 'grid'?"),
+    ({"grid": {"sampling.temperature": [0.0]}, "metrics": ["latency_s.p50", "output_tokens"]},
+     "'metrics' ['output_tokens']: already a results column"),
+    ({"grid": {"sampling.temperature": [0.0]}, "metrics": ["sampling.temperature"]},
+     "'metrics' ['sampling.temperature']: already a results column"),
 ], ids=["bad-key", "bad-value", "bad-type", "empty-grid", "empty-axis", "zip-lengths", "same-names", "bad-name",
-        "per-run-key", "bad-plot", "bad-sweep-key"])
+        "per-run-key", "bad-plot", "bad-sweep-key", "metric-of-a-column", "metric-of-a-swept-key"])
 def test_a_bad_sweep_fails_before_any_run_starts(model_dir, rows, tmp_path, capsys, spec, message):
     file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, **spec)
     sweep.last_stats = None
@@ -367,6 +371,73 @@ def test_the_shorthand_makes_a_grid_of_comma_lists(model_dir, rows, tmp_path):
     same = shorthand_sweep([], ["a=1,2", "b=3", "c=4", "job.progress=false"]).out
     assert same == shorthand_sweep([], ["c=4", "a=1,2", "logging.level=DEBUG", "b=3"]).out
     assert same != shorthand_sweep([], ["a=1,2", "b=3", "c=5"]).out
+    # Axes name the run folders in their order: in another order they are another sweep, in its own folder.
+    assert shorthand_sweep([], ["a=1,2", "b=3,4"]).out != shorthand_sweep([], ["b=3,4", "a=1,2"]).out
+    # Options after the overrides are read as options, as launch.py reads them.
+    assert sweep.main(["--sweep", f"--out={out}", "sampling.temperature=0,0.5", *base_overrides(model_dir, rows),
+                       "--list"]) == 0
+
+
+def test_a_sweep_files_values_reach_text_keys_as_written(model_dir, rows, tmp_path):
+    """YAML 1.1 reads no, Off and 012 as false, false and 10: a stop string must stay the text the file holds, as it
+    does in a config file or an override, while numbers and booleans still read as numbers and booleans."""
+    file = tmp_path / "sweep.yaml"
+    overrides = [o for o in base_overrides(model_dir, rows) if not o.startswith("sampling.ignore_eos=")]
+    file.write_text(yaml.safe_dump({"overrides": overrides, "out": str(tmp_path / "out")})
+                    + "grid:\n  sampling.stop: [[no], [012, Off]]\n  sampling.temperature: [0, 0.5]\n"
+                    + "zip:\n  sampling.ignore_eos: [yes, no]\n")
+    runs = plan_runs(load_sweep_file(file))
+    seen = {(tuple(r.cfg.sampling.stop), r.cfg.sampling.temperature, r.cfg.sampling.ignore_eos) for r in runs}
+    assert seen == {(stop, t, eos) for stop in (("no",), ("012", "Off")) for t in (0.0, 0.5) for eos in (True, False)}
+    assert len({r.name for r in runs}) == len(runs) == 8
+
+
+def test_a_config_given_with_a_sweep_file_adds_to_its_default_base(model_dir, rows, tmp_path):
+    file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, grid={"sampling.top_p": [1.0, 0.9]})
+    extra = tmp_path / "extra.yaml"
+    extra.write_text("sampling:\n  top_k: 7\n")
+    plain = plan_runs(load_sweep_file(file))
+    added = plan_runs(load_sweep_file(file, [str(extra)]))
+    default_temperature = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())["sampling"]["temperature"]
+    assert default_temperature != RuntimeConfig().sampling.temperature  # else this test could not tell them apart
+    assert {r.cfg.sampling.temperature for r in plain + added} == {default_temperature}
+    assert [r.cfg.sampling.top_k for r in added] == [7, 7] and plain[0].cfg.sampling.top_k != 7
+
+
+def test_a_bad_input_fails_a_sweep_before_any_model_loads(model_dir, rows, tmp_path, capsys):
+    table = tmp_path / "rows.csv"
+    table.write_text("id,question\n1,why?\n")
+    file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, grid={"sampling.temperature": [0.0, 0.5]},
+                       overrides=[*base_overrides(model_dir, rows), f"job.input={table}"])
+    sweep.last_stats = None
+    assert sweep.main(["--sweep-file", str(file)]) == 2
+    err = capsys.readouterr().err
+    assert "run 1 (sampling.temperature=0.0): " in err and "prompt" in err, err
+    assert sweep.last_stats is None and not (tmp_path / "out").exists()
+    assert sweep.main(["--sweep-file", str(file), "--slurm", "--nproc-per-node", "1"]) == 2  # not "runs are valid"
+    assert "prompt" in capsys.readouterr().err
+
+
+def test_the_markdown_table_shows_swept_values_exactly_and_rounds_measurements(tmp_path):
+    from runtime.frontend.sweep_results import to_markdown
+
+    rows_ = [{"run": 1, "sampling.top_p": 0.9995, "tokens_per_s": 1234.56789}]
+    table = to_markdown(rows_, ["run", "sampling.top_p", "tokens_per_s"], exact={"run", "sampling.top_p"})
+    assert "| 1 | 0.9995 | 1234.568 |" in table
+
+
+@pytest.mark.parametrize(("line", "gpus"), [("--gpus-per-node=8", 8), ("--gpus-per-node=h100:4", 4),
+                                           ("--gpus-per-node 2", 2), ("--gres=gpu:a100:3", 3), ("--gres=gpu:6", 6),
+                                           ("--gpus=1  # one is enough", 1), ("--nodes=1", None)])
+def test_the_templates_gpu_count_is_read_in_each_form_slurm_takes(tmp_path, monkeypatch, line, gpus):
+    (tmp_path / sweep.SBATCH_TEMPLATE).parent.mkdir(parents=True)
+    (tmp_path / sweep.SBATCH_TEMPLATE).write_text(f"#!/bin/bash\n#SBATCH {line}\n#SBATCH --time=1:00:00\n")
+    monkeypatch.setattr(sweep, "REPO", tmp_path)
+    if gpus is None:
+        with pytest.raises(ConfigError, match="asks for no GPU count this can read.*--nproc-per-node N"):
+            sweep.template_gpus()
+    else:
+        assert sweep.template_gpus() == gpus
 
 
 def test_split_top_level_keeps_lists_and_quotes_whole():
@@ -392,6 +463,9 @@ def test_a_folder_of_another_config_is_not_resumed(model_dir, rows, tmp_path, ca
     assert sweep.main(["--sweep-file", str(file), "sampling.max_new_tokens=7"]) == 2
     err = capsys.readouterr().err
     assert "holds a run of another config (keys that differ: sampling.max_new_tokens)" in err
+    # Keys that change neither rows nor measurements may change between a run and its rerun.
+    assert sweep.main(["--sweep-file", str(file), "job.lock_wait_s=300", "server.port=9000", "--list"]) == 0
+    assert "  1  done" in capsys.readouterr().out
     # Nor collected as this config's results: the table of the config that ran stays as it was.
     table = (tmp_path / "out" / "results.csv").read_text()
     assert sweep.main(["--sweep-file", str(file), "sampling.max_new_tokens=7", "--collect"]) == 2

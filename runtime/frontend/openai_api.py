@@ -180,16 +180,21 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     if not isinstance(stream, bool):
         raise RequestError("invalid_request", f"stream={stream!r} must be true or false", "stream")
     options = body.get("stream_options", {})
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise RequestError("invalid_request", f"stream_options={options!r}: only {{'include_usage': bool}} is supported",
-                           "stream_options")
+    if not isinstance(options, dict) or set(options) - set(STREAM_OPTIONS):
+        raise RequestError("invalid_request", f"stream_options={options!r}: only {{'include_usage': bool, "
+                           "'include_obfuscation': bool}} are supported", "stream_options")
+    options = {k: v for k, v in options.items() if v is not None}  # null: the default
     if options and not stream:
         raise RequestError("invalid_request", "stream_options needs stream=true", "stream_options")
-    include_usage = options.get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise RequestError("invalid_request", f"stream_options.include_usage={include_usage!r} must be true or false",
-                           "stream_options")
-    return stream, include_usage
+    for key, value in options.items():
+        if not isinstance(value, bool):
+            raise RequestError("invalid_request", f"stream_options.{key}={value!r} must be true or false",
+                               "stream_options")
+    return stream, options.get("include_usage", False)
+
+
+# include_obfuscation pads chunks against length side channels on the public internet; this server never pads.
+STREAM_OPTIONS = ("include_usage", "include_obfuscation")
 
 
 def _logprobs(url: str, body: dict[str, Any]) -> int | None:

@@ -10,6 +10,7 @@ import bisect
 import hmac
 import json
 import logging
+import socket
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -170,8 +171,10 @@ async def _json_body(request: web.Request) -> Any:
     """The request's JSON, or the 400 response saying why it is not JSON."""
     try:
         return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, LookupError) as exc:  # JSONDecodeError, UnicodeDecodeError, a charset Python does not know
         return _error(400, f"the request body is not valid JSON: {exc}", "invalid_json")
+    except RecursionError:
+        return _error(400, "the request body is not valid JSON: nested too deeply", "invalid_json")
 
 
 def _no_tokenizer(state: ServerState) -> web.Response | None:
@@ -452,6 +455,24 @@ async def _wait_changed(request: web.Request, state: ServerState, call: Call) ->
 
 def served_model_name(llm: LLM, cfg: ServerSection) -> str:
     return cfg.served_model_name or llm.model_dir.name
+
+
+def listen_problem(host: str, port: int) -> str | None:
+    """Why the server could not listen on ``host:port`` (a name that does not resolve, a port in use), found
+    before the model loads: a bind that is let go at once. None where it can."""
+    where = f"cannot listen on {host}:{port} (server.host, server.port)"
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as exc:
+        return f"{where}: {exc}"
+    for family, kind, proto, _, address in addresses:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's own socket
+                probe.bind(address)
+        except OSError as exc:
+            return f"{where}: {exc}"
+    return None
 
 
 async def run_server(llm: LLM, cfg: ServerSection) -> int:

@@ -114,6 +114,7 @@ class Serving:
             for req in call.reqs:
                 self.llm.scheduler.abort(req)
             self._close(call)
+            self._wake()  # an idle server has no step to send it
         if self._stopping or (self.llm.drain is not None and self.llm.drain.requested):
             return False
         try:
@@ -138,6 +139,7 @@ class Serving:
             for req in call.reqs:
                 self.llm.scheduler.abort(req)
             self._close(call)
+            self._wake()  # an idle server has no step to send it
 
     def _finished(self, req: Req) -> None:
         call = self._calls.get(req.uid)

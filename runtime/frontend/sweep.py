@@ -99,7 +99,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--config", action="append", default=None, help="YAML config (repeatable; merged in order)")
     parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N", help="run every run over N ranks")
     parser.add_argument("overrides", nargs="*", help="key=value overrides (and key=a,b axes with --sweep)")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # options after the overrides too, as in launch.py
 
 
 def main(argv: list[str], script: str | None = None, configure_threads: Callable[[int], None] | None = None) -> int:
@@ -110,19 +110,21 @@ def main(argv: list[str], script: str | None = None, configure_threads: Callable
     if configure_threads is not None:
         configure_threads(args.nproc_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     only_files = args.collect or args.list
-    if only_files:
-        world = None
-    elif args.slurm:  # a task's ranks: --nproc-per-node, else one per GPU of the template
-        world = args.nproc_per_node if args.nproc_per_node is not None else template_gpus()
-    else:
-        world = args.nproc_per_node or int(os.environ.get("WORLD_SIZE", "1"))
     try:
+        if only_files:
+            world = None
+        elif args.slurm:  # a task's ranks: --nproc-per-node, else one per GPU of the template
+            world = args.nproc_per_node if args.nproc_per_node is not None else template_gpus()
+        else:
+            world = args.nproc_per_node or int(os.environ.get("WORLD_SIZE", "1"))
         sweep = build_sweep(args)
         runs = plan_runs(sweep)
         if args.only_run is not None and not 1 <= args.only_run <= len(runs):
             raise ConfigError(f"--only-run {args.only_run}: the sweep has runs 1 to {len(runs)}")
         for run in runs:  # --collect too: another config's results must not be reported as this sweep's
             check_resumable(run)
+        if not only_files:
+            check_inputs(runs)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -165,6 +167,27 @@ def main(argv: list[str], script: str | None = None, configure_threads: Callable
     if args.nproc_per_node is not None:
         return start_ranks(args, script)
     return execute(sweep, runs, args.only_run)
+
+
+def check_inputs(runs: list[Run]) -> None:
+    """Each run's input opens with its columns and format, and its output (when resumed) is of that input's kind:
+    checked before any model loads, as a single job checks its own, so a bad input costs no load per run."""
+    from runtime.frontend.job_inputs import check_output, open_input, output_format
+    from runtime.sampling_params import SamplingParams
+
+    sources: dict[str, Any] = {}  # one opening per distinct input and way of reading it
+    for run in runs:
+        if run.prompts_input:
+            continue
+        job = run.cfg.job
+        reading = json.dumps([job.input, job.format, vars(job.columns), job.chat_template], default=str)
+        try:
+            if reading not in sources:
+                sources[reading] = open_input(Path(job.input), job, SamplingParams(**vars(run.cfg.sampling)))
+            source = sources[reading]
+            check_output(run.paths.output, output_format(run.paths.output, source), source, repair=False)
+        except ValueError as exc:
+            raise ConfigError(f"run {run.index} ({run.described}): {exc}") from None
 
 
 def build_sweep(args: argparse.Namespace) -> Sweep:
@@ -218,10 +241,19 @@ def print_plan(runs: list[Run], args: argparse.Namespace) -> None:
         print(f"not as a Slurm array: {exc}")
 
 
-def template_gpus() -> int | None:
-    """The template's ``#SBATCH --gpus-per-node``: an array task's ranks when NPROC_PER_NODE is unset."""
-    found = re.search(r"^#SBATCH\s+--gpus-per-node[= ](\d+)\s*$", (REPO / SBATCH_TEMPLATE).read_text(), re.MULTILINE)
-    return int(found.group(1)) if found else None
+GPU_REQUEST = re.compile(r"^#SBATCH\s+--(?:gpus-per-node|gpus|gres)[= ](?:gpu:)?(?:[\w.-]+:)?(\d+)\s*(?:#.*)?$",
+                         re.MULTILINE)
+
+
+def template_gpus() -> int:
+    """The GPUs a node of the template asks for (``#SBATCH --gpus-per-node=[type:]N``, ``--gres=gpu[:type]:N`` or
+    ``--gpus=N``): an array task's ranks when NPROC_PER_NODE is unset."""
+    template = REPO / SBATCH_TEMPLATE
+    found = GPU_REQUEST.search(template.read_text())
+    if found is None:
+        raise ConfigError(f"{template} asks for no GPU count this can read (#SBATCH --gpus-per-node=N, "
+                          "--gres=gpu:N or --gpus=N): give --nproc-per-node N, the ranks of an array task")
+    return int(found.group(1))
 
 
 def slurm_command(args: argparse.Namespace, runs: int) -> str:

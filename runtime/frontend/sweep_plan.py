@@ -36,7 +36,9 @@ PER_RUN_KEYS = ("job.output", "job.errors", "job.metrics")
 # Sections a loaded engine does not read: runs that differ only there can share it.
 REUSABLE_SECTIONS = ("sampling", "job")
 # Keys that change neither a run's rows nor its measurements: a rerun may change them and still resume.
-NOT_IDENTITY = ("job.progress", "job.fsync_every_s", "job.drain_timeout_s", "logging.level", "parallel.timeout_s")
+NOT_IDENTITY = ("job.progress", "job.fsync_every_s", "job.drain_timeout_s", "job.lock", "job.lock_wait_s", "logging.level",
+                "parallel.timeout_s")
+NOT_IDENTITY_SECTIONS = ("server.",)  # read by `launch.py serve` only, never by a sweep's jobs
 RESULT_COLUMNS = ("status", "rows", "errors", "output_tokens", "tokens_per_s", "wall_s", "load_s")
 RECORD = "run.json"
 DONE, FAILED, INTERRUPTED, RUNNING, PENDING = "done", "failed", "interrupted", "running", "pending"
@@ -101,10 +103,14 @@ class Run:
 
     def identity(self) -> dict[str, Any]:
         flat = flatten(OmegaConf.to_container(OmegaConf.structured(self.cfg)))
-        return {k: v for k, v in flat.items() if k not in NOT_IDENTITY}
+        return {k: v for k, v in flat.items() if not outside_identity(k)}
 
     def record(self) -> dict[str, Any] | None:
         return read_record(self.dir)
+
+
+def outside_identity(key: str) -> bool:
+    return key in NOT_IDENTITY or key.startswith(NOT_IDENTITY_SECTIONS)
 
 
 def load_sweep_file(path: str | Path, extra_configs: Sequence[str] = (), extra_overrides: Sequence[str] = (),
@@ -114,9 +120,13 @@ def load_sweep_file(path: str | Path, extra_configs: Sequence[str] = (), extra_o
     if not file.is_file():
         raise ConfigError(f"sweep file {file} does not exist")
     try:
-        spec = yaml.safe_load(file.read_text())
+        text = file.read_text(encoding="utf-8")
+        spec = yaml.safe_load(text)
+        written = yaml.load(text, Loader=yaml.BaseLoader)  # every scalar as its text
     except yaml.YAMLError as exc:
         raise ConfigError(f"sweep file {file} is not valid YAML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"sweep file {file} is not UTF-8 text: {exc}") from None
     if not isinstance(spec, dict):
         raise ConfigError(f"sweep file {file} must hold a mapping (base, grid, zip, ...), not {type(spec).__name__}")
     src = str(file)
@@ -143,9 +153,12 @@ def load_sweep_file(path: str | Path, extra_configs: Sequence[str] = (), extra_o
     name = name or spec.get("name")
     if name is not None and not isinstance(name, str):
         raise ConfigError(f"{src}: 'name' must be a string template such as \"{{model.path.name}}-t{{sampling.temperature}}\"")
+    if not base and DEFAULT_BASE.is_file():  # --config files add to the default base, as they add to a given one
+        base = [str(DEFAULT_BASE)]
     return Sweep(
         source=src, base=base + list(extra_configs), overrides=overrides + list(extra_overrides),
-        grid=_axes(spec.get("grid"), f"{src}: 'grid'"), zip=_axes(spec.get("zip"), f"{src}: 'zip'"),
+        grid=_axes(spec.get("grid"), written.get("grid"), f"{src}: 'grid'"),
+        zip=_axes(spec.get("zip"), written.get("zip"), f"{src}: 'zip'"),
         out=Path(out), name=name, metrics=_str_list(spec.get("metrics", []), f"{src}: 'metrics'"),
         plot=_plot(spec.get("plot"), src), reuse_engine=reuse,
     )
@@ -170,8 +183,10 @@ def shorthand_sweep(configs: list[str], items: list[str], out: str | None = None
         else:
             overrides.append(item)
     if out is None:  # the same command gets the same folder, so a rerun resumes (in any order of its overrides)
-        same = sorted(o for o in overrides if o.partition("=")[0].lstrip("+~") not in NOT_IDENTITY)
-        digest = hashlib.sha256(json.dumps([configs, same, grid], sort_keys=True).encode()).hexdigest()[:8]
+        same = sorted(o for o in overrides if not outside_identity(o.partition("=")[0].lstrip("+~")))
+        # Run folders are named in axis order: axes in another order are another sweep, in another folder.
+        order = [list(grid)] if list(grid) != sorted(grid) else []
+        digest = hashlib.sha256(json.dumps([configs, same, grid, *order], sort_keys=True).encode()).hexdigest()[:8]
         out = f"outputs/sweep-{digest}"
     return Sweep(source="--sweep", base=list(configs), overrides=overrides, grid=grid, zip={}, out=Path(out), name=name)
 
@@ -208,24 +223,34 @@ def _str_list(value: Any, what: str) -> list[str]:
     return value
 
 
-def _axes(value: Any, what: str) -> dict[str, list[str]]:
+def _axes(value: Any, written: Any, what: str) -> dict[str, list[str]]:
+    """``written``: the same YAML read with every scalar as its text."""
     if value is None:
         return {}
     if not isinstance(value, dict):
         raise ConfigError(f"{what} must map config keys to lists of values, not {type(value).__name__}")
     axes = {}
-    for key, values in value.items():
+    for (key, values), texts in zip(value.items(), written.values()):
         if not isinstance(values, list):
             raise ConfigError(f"{what}: '{key}' must be a list of values, not {values!r}")
         if not values:
             raise ConfigError(f"{what}: '{key}' has no values")
-        axes[str(key)] = [_override_text(v) for v in values]
+        axes[str(key)] = [_override_text(v, t) for v, t in zip(values, texts)]
     return axes
 
 
-def _override_text(value: Any) -> str:
-    """A YAML value as the text of a key=value override that reads back as the same value (JSON is YAML)."""
-    return json.dumps(value)
+def _override_text(value: Any, written: Any) -> str:
+    """A sweep file's value as the text of a key=value override that reads back as a command line's would: a
+    string quoted (JSON is YAML), any other scalar as written, so that a text key gets ``no`` or ``012`` as
+    written (YAML 1.1 reads them as false and 10), as config files and overrides give it."""
+    if isinstance(value, list) and isinstance(written, list):
+        return "[" + ", ".join(_override_text(v, t) for v, t in zip(value, written)) + "]"
+    if isinstance(value, dict) and isinstance(written, dict):
+        pairs = zip(value.values(), written.items())
+        return "{" + ", ".join(f"{json.dumps(k)}: {_override_text(v, t)}" for v, (k, t) in pairs) + "}"
+    if isinstance(value, str) or not isinstance(written, str):
+        return json.dumps(value)
+    return written
 
 
 def _plot(value: Any, src: str) -> PlotSpec:
@@ -314,6 +339,11 @@ def _check_unique(runs: list[Run], source: str) -> None:
 def _check_results_spec(sweep: Sweep) -> None:
     if sweep.plot.x is not None and sweep.plot.x not in sweep.swept:
         raise ConfigError(f"{sweep.source}: plot x '{sweep.plot.x}' is not a swept key ({', '.join(sweep.swept)})")
+    taken = {"run", "name", "error", *RESULT_COLUMNS, *sweep.swept}
+    clash = [m for m in sweep.metrics if m in taken]
+    if clash:
+        raise ConfigError(f"{sweep.source}: 'metrics' {clash}: already a results column (run, name, the swept keys, "
+                          f"{', '.join(RESULT_COLUMNS)}, error); the table reports it as measured over every attempt")
     columns = [*RESULT_COLUMNS, *sweep.metrics]
     if sweep.plot.y not in columns:
         raise ConfigError(f"{sweep.source}: plot y '{sweep.plot.y}' is not a results column ({', '.join(columns)}); "

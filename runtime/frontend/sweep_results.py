@@ -62,7 +62,7 @@ def write_results(sweep: Sweep, runs: list[Run]) -> list[Path]:
     sweep.out.mkdir(parents=True, exist_ok=True)
     csv_path, md_path = sweep.out / "results.csv", sweep.out / "results.md"
     write_atomic(csv_path, to_csv(rows, names))
-    write_atomic(md_path, to_markdown(rows, names))
+    write_atomic(md_path, to_markdown(rows, names, exact={"run", "name", *sweep.swept}))
     written = [csv_path, md_path]
     png = write_plot(sweep, rows, sweep.out / "results.png")
     return written + ([png] if png else [])
@@ -91,12 +91,13 @@ def to_csv(rows: list[dict[str, Any]], names: list[str]) -> str:
     return buf.getvalue()
 
 
-def to_markdown(rows: list[dict[str, Any]], names: list[str]) -> str:
+def to_markdown(rows: list[dict[str, Any]], names: list[str], exact: set[str] = frozenset()) -> str:
+    """Measured values rounded; the ``exact`` columns (the swept keys: what names a run) as given."""
     def line(cells: list[str]) -> str:
         return "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
 
     out = [line(names), line(["---"] * len(names))]
-    out += [line([_cell(row.get(k)) for k in names]) for row in rows]
+    out += [line([_cell(row.get(k), exact=k in exact) for k in names]) for row in rows]
     return "\n".join(out) + "\n"
 
 
