@@ -134,6 +134,24 @@ def test_a_whole_last_line_without_its_newline_is_kept(tiny_llama_dir, tmp_path)
     assert lines[:2] == done and [json.loads(line)["id"] for line in lines] == [0, 1, 2]
 
 
+def test_outputs_that_share_their_side_files_are_refused_while_the_other_holds_rows(tiny_llama_dir, tmp_path):
+    """out.jsonl, out.json and out share out.config.yaml and out.errors.jsonl: a job on one of them must not
+    overwrite the record and the errors of another one's rows, nor resume under settings it replaced."""
+    _write(tmp_path / "rows.jsonl", [json.dumps({"id": i, "prompt": [5, 6, 7 + i]}).encode() for i in range(2)])
+    first = _llm(tiny_llama_dir, tmp_path, "sampling.max_new_tokens=2")
+    assert run_job(first, to_yaml(first.cfg))["completed"] == 2
+    record = (tmp_path / "out.config.yaml").read_text()
+    for name in ("out.json", "out"):
+        other = _llm(tiny_llama_dir, tmp_path, "sampling.max_new_tokens=3", f"job.output={tmp_path / name}")
+        with pytest.raises(ValueError, match=rf"job.output={tmp_path / name} would share {tmp_path / 'out.config.yaml'} "
+                                             rf".*with job.output={tmp_path / 'out.jsonl'}, whose rows it describes"):
+            run_job(other, to_yaml(other.cfg))
+        assert (tmp_path / "out.config.yaml").read_text() == record and not (tmp_path / name).exists()
+    (tmp_path / "out.jsonl").unlink()  # the rows it described are gone: the name is free
+    other = _llm(tiny_llama_dir, tmp_path, "sampling.max_new_tokens=3", f"job.output={tmp_path / 'out.json'}")
+    assert run_job(other, to_yaml(other.cfg))["completed"] == 2
+
+
 def test_a_rerun_with_other_row_settings_is_refused_before_it_serves(tiny_llama_dir, tmp_path):
     rows = [{"id": i, "prompt": [5, 6, 7 + i]} for i in range(3)]
     _write(tmp_path / "rows.jsonl", [json.dumps(r).encode() for r in rows[:2]])

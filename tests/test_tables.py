@@ -253,6 +253,31 @@ def test_a_quote_never_swallows_the_rows_after_it(tmp_path):
         TableInput(csv, "csv", _columns())
 
 
+def test_a_row_with_another_field_count_anywhere_in_a_csv_is_refused_before_any_row_is_read(tmp_path):
+    """pyarrow stops at such a row where it reads it: past the first block, that was mid-job."""
+    for name, sep in (("in.csv", ","), ("in.tsv", "\t")):
+        lines = [f"id{sep}prompt"] + [f"{i}{sep}say something number {i} " + "x" * 100 for i in range(17_000)]
+        lines[16_501] = f"16500{sep}hello{sep}extra"  # past the first megabyte
+        path = tmp_path / name
+        path.write_text("\n".join(lines) + "\n")
+        with pytest.raises(InputError, match=r"Expected 2 columns, got 3: 16500.hello.extra; every row needs as many "
+                                             r"fields as the header"):
+            TableInput(path, "csv", _columns())
+        del lines[16_501]
+        path.write_text("\n".join(lines) + "\n")
+        assert len(list(TableInput(path, "csv", _columns()).rows(llm_defaults(), chat_template=False))) == 16_999
+
+
+def test_a_messages_cell_nested_past_pythons_stack_fails_its_row_alone(tmp_path):
+    chat = json.dumps([{"role": "user", "content": "Hi"}])
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": [1, 2, 3], "messages": [chat, "[" * 100_000 + "]" * 100_000, chat]}), path)
+    rows = list(TableInput(path, "parquet", _columns()).rows(llm_defaults(), chat_template=True))
+    assert [r.id for r in rows if r.error is None] == [1, 3]
+    assert [r.error for r in rows if r.error is not None] == [
+        "row 1: column 'messages' holds text that is not a JSON list of messages"]
+
+
 # ---- bad inputs --------------------------------------------------------------------------------------------------
 def _columns(**names: object) -> JobColumnsSection:
     return JobColumnsSection(**names)

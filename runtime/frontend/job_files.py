@@ -90,15 +90,31 @@ class JobPaths:
     def check_same_rows(self, config_yaml: str) -> None:
         """A rerun adds rows to an output only under the settings its rows were made with (the config copy
         beside it says which): otherwise rows of two settings would pass for one job's."""
-        if not self.config.is_file() or not (self.output.exists() or part_files(self.output)):
+        if not self.config.is_file():
             return
-        before, now = _row_settings(self.config.read_text()), _row_settings(config_yaml)
+        recorded = self.config.read_text()
+        self._check_side_files_are_ours(recorded)
+        if not (self.output.exists() or part_files(self.output)):
+            return
+        before, now = _row_settings(recorded), _row_settings(config_yaml)
         changed = sorted(k for k in before.keys() & now.keys() if before[k] != now[k])  # keys of both versions
         if changed:
             shown = "; ".join(f"{k}: {before[k]!r} then, {now[k]!r} now" for k in changed[:4])
             raise ConfigError(f"job.output={self.output} holds rows made with other settings ({shown}"
                               f"{'; ...' if len(changed) > 4 else ''}): use another job.output, or delete "
                               f"{self.config} to add this config's rows to it")
+
+    def _check_side_files_are_ours(self, recorded: str) -> None:
+        """out.jsonl, out.json and out share side files (out.config.yaml, out.errors.jsonl, out.metrics.json):
+        while another of them holds rows, this job would overwrite its settings record and its errors."""
+        other_name = _recorded_output(recorded)
+        if other_name is None or other_name == self.output.name:
+            return
+        other = self.output.with_name(other_name)
+        if other.exists() or part_files(other):
+            raise ConfigError(f"job.output={self.output} would share {self.config} (and the errors and metrics files "
+                              f"beside it) with job.output={other}, whose rows it describes: give this output a name "
+                              "of its own")
 
     def check_writable(self) -> None:
         """The output files can be made: checked before the model loads, so a typo costs seconds, not a load."""
@@ -124,6 +140,17 @@ class JobPaths:
 # (a sample of the rows first, then all of them: ids name the rows).
 ROW_SETTINGS = ("model.", "sampling.", "cache.dtype", "engine.seed", "engine.deterministic", "job.columns.",
                 "job.chat_template")
+
+
+def _recorded_output(config_yaml: str) -> str | None:
+    """The file name of the job.output a config copy was written for (its folder is the copy's own)."""
+    try:
+        node = yaml.safe_load(config_yaml)
+    except yaml.YAMLError:
+        return None
+    job = node.get("job") if isinstance(node, dict) else None
+    output = job.get("output") if isinstance(job, dict) else None
+    return Path(output).name if isinstance(output, str) and output else None
 
 
 def _row_settings(config_yaml: str) -> dict[str, Any]:
@@ -158,8 +185,8 @@ def read_as_shard(folder: Path, path: Path) -> bool:
 
 
 def _beside(out: Path, suffix: str) -> Path:
-    """A side file of the output: ``out.jsonl`` -> ``out<suffix>``, other names keep their whole name, so
-    outputs that differ in a last suffix never share one."""
+    """A side file of the output: ``out.jsonl`` -> ``out<suffix>``, other names keep their whole name (out.parquet
+    and out.pq do not share one); out.jsonl, out.json and out do, and ``check_same_rows`` keeps them apart."""
     return out.with_suffix(suffix) if out.suffix in (".jsonl", ".json") else out.with_name(out.name + suffix)
 
 

@@ -74,6 +74,8 @@ class TableInput:
         if kind == "csv" and not self._tsv:
             self._check_quotes()
         self.schema = schemas[0]
+        if kind == "csv":
+            self._check_field_counts()
         self.columns = self._choose(columns)
         self._kept = self._kept_types(schemas)
 
@@ -165,6 +167,19 @@ class TableInput:
                     raise InputError(f"job.input={self.path}: the quoted field that opens on line {line} is never "
                                      "closed, so every row after it would be read into it; close it (a quote inside "
                                      'a quoted field is written twice: "")')
+
+    def _check_field_counts(self) -> None:
+        """A row with more or fewer fields than the header stops pyarrow where it reads it: found here, over the
+        whole file (one column kept), before the model loads rather than mid-job."""
+        for file in self.files:
+            first = self.schema.names[:1]
+            try:
+                for _ in pa_csv.open_csv(file, parse_options=self._csv_parse(), convert_options=pa_csv.ConvertOptions(
+                        include_columns=first, column_types=dict.fromkeys(first, pa.binary()))):
+                    pass
+            except pa.ArrowException as exc:
+                raise InputError(f"job.input={file} cannot be read as {_KIND_NAMES[self.kind]}: {_first_line(exc)}; "
+                                 "every row needs as many fields as the header") from None
 
     @staticmethod
     def _open_arrow(file: Path) -> Any:
@@ -315,7 +330,7 @@ def _messages(value: Any) -> list[dict[str, Any]]:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than Python's stack
             raise ValueError("holds text that is not a JSON list of messages") from None
     if not isinstance(value, list) or not value or not all(isinstance(m, dict) for m in value):
         raise ValueError(f"must hold a non-empty list of messages, not {_kind(value)}")
