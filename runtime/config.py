@@ -221,7 +221,7 @@ def _explain(exc: OmegaConfBaseException, schema: DictConfig, source: str) -> Co
 _NULLS = ("null", "Null", "NULL", "~")
 
 
-def _written(text: str) -> Any:
+def yaml_as_written(text: str) -> Any:
     """YAML with every scalar read as the string written (None where that reading fails: nothing to restore)."""
     try:
         return yaml.load(text, Loader=yaml.BaseLoader)
@@ -316,7 +316,7 @@ def load_config(paths: list[str | Path] | None = None, overrides: Sequence[str] 
         if not isinstance(layer, DictConfig):
             raise ConfigError(f"config file {file} must hold a mapping of sections, not {type(layer).__name__}")
         _check_sections(layer, schema, str(file))
-        _text_as_written(layer, _written(file.read_text(encoding="utf-8")), schema)
+        _text_as_written(layer, yaml_as_written(file.read_text(encoding="utf-8")), schema)
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as exc:
@@ -336,7 +336,7 @@ def _merge_override(merged: DictConfig, item: str, schema: DictConfig) -> DictCo
         layer = OmegaConf.from_dotlist([item])
         _check_sections(layer, schema, f"override {item!r}")
         key, _, text = item.partition("=")
-        written = _written(text)
+        written = yaml_as_written(text)
         for part in reversed(key.split(".")):
             written = {part: written}
         _text_as_written(layer, written, schema)

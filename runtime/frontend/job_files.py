@@ -92,11 +92,11 @@ class JobPaths:
         beside it says which): otherwise rows of two settings would pass for one job's."""
         if not self.config.is_file():
             return
-        recorded = self.config.read_text()
+        recorded = _flat_config(self.config.read_text())
         self._check_side_files_are_ours(recorded)
         if not (self.output.exists() or part_files(self.output)):
             return
-        before, now = _row_settings(recorded), _row_settings(config_yaml)
+        before, now = _row_settings(recorded), _row_settings(_flat_config(config_yaml))
         changed = sorted(k for k in before.keys() & now.keys() if before[k] != now[k])  # keys of both versions
         if changed:
             shown = "; ".join(f"{k}: {before[k]!r} then, {now[k]!r} now" for k in changed[:4])
@@ -104,7 +104,7 @@ class JobPaths:
                               f"{'; ...' if len(changed) > 4 else ''}): use another job.output, or delete "
                               f"{self.config} to add this config's rows to it")
 
-    def _check_side_files_are_ours(self, recorded: str) -> None:
+    def _check_side_files_are_ours(self, recorded: dict[str, Any]) -> None:
         """out.jsonl, out.json and out share side files (out.config.yaml, out.errors.jsonl, out.metrics.json):
         while another of them holds rows, this job would overwrite its settings record and its errors."""
         other_name = _recorded_output(recorded)
@@ -142,25 +142,23 @@ ROW_SETTINGS = ("model.", "sampling.", "cache.dtype", "engine.seed", "engine.det
                 "job.chat_template")
 
 
-def _recorded_output(config_yaml: str) -> str | None:
-    """The file name of the job.output a config copy was written for (its folder is the copy's own)."""
+def _flat_config(config_yaml: str) -> dict[str, Any]:
+    """A config copy's keys, flattened (empty where it is not a YAML mapping)."""
     try:
         node = yaml.safe_load(config_yaml)
     except yaml.YAMLError:
-        return None
-    job = node.get("job") if isinstance(node, dict) else None
-    output = job.get("output") if isinstance(job, dict) else None
+        return {}
+    return flatten(node) if isinstance(node, dict) else {}
+
+
+def _recorded_output(config: dict[str, Any]) -> str | None:
+    """The file name of the job.output a config copy was written for (its folder is the copy's own)."""
+    output = config.get("job.output")
     return Path(output).name if isinstance(output, str) and output else None
 
 
-def _row_settings(config_yaml: str) -> dict[str, Any]:
-    try:
-        node = yaml.safe_load(config_yaml)
-    except yaml.YAMLError:
-        return {}
-    if not isinstance(node, dict):
-        return {}
-    settings = {k: v for k, v in flatten(node).items()
+def _row_settings(config: dict[str, Any]) -> dict[str, Any]:
+    settings = {k: v for k, v in config.items()
                 if any(k == s or (s.endswith(".") and k.startswith(s)) for s in ROW_SETTINGS)}
     path = settings.get("model.path")
     if isinstance(path, str) and path != "default":  # one folder however it is spelled

@@ -114,7 +114,6 @@ class Serving:
             for req in call.reqs:
                 self.llm.scheduler.abort(req)
             self._close(call)
-            self._wake()  # an idle server has no step to send it
         if self._stopping or (self.llm.drain is not None and self.llm.drain.requested):
             return False
         try:
@@ -124,6 +123,7 @@ class Serving:
                 call = self._inbox.get_nowait()
         except queue.Empty:
             pass
+        self._wake()  # what it closed (aborted, or refused when admitted): an idle server runs no step to send it
         return True
 
     def _admit(self, call: Call) -> None:
@@ -139,7 +139,6 @@ class Serving:
             for req in call.reqs:
                 self.llm.scheduler.abort(req)
             self._close(call)
-            self._wake()  # an idle server has no step to send it
 
     def _finished(self, req: Req) -> None:
         call = self._calls.get(req.uid)

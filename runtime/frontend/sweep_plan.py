@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
-from runtime.config import ConfigError, RuntimeConfig, flatten, load_config
+from runtime.config import ConfigError, RuntimeConfig, flatten, load_config, yaml_as_written
 from runtime.frontend.job_files import JobPaths
 
 DEFAULT_BASE = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
@@ -122,7 +122,7 @@ def load_sweep_file(path: str | Path, extra_configs: Sequence[str] = (), extra_o
     try:
         text = file.read_text(encoding="utf-8")
         spec = yaml.safe_load(text)
-        written = yaml.load(text, Loader=yaml.BaseLoader)  # every scalar as its text
+        written = yaml_as_written(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"sweep file {file} is not valid YAML: {exc}") from None
     except UnicodeDecodeError as exc:
