@@ -103,3 +103,15 @@ def test_llama3_rope_without_its_factors_is_refused_naming_them():
     with pytest.raises(ValueError, match=r"config.json: rope_parameters of rope_type 'llama3' lacks "
                                          r"low_freq_factor, high_freq_factor; add them"):
         ModelConfig.from_dict(config)
+
+
+@pytest.mark.parametrize("key", ["engine.kernels", "engine.attention_backend"])
+def test_flashinfer_on_cpu_is_refused_before_the_weights_load(tiny_llama_dir, monkeypatch, key):
+    import runtime.engine.engine as engine_module
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights loaded before the setting was checked")
+
+    monkeypatch.setattr(engine_module, "load_model", no_load)
+    with pytest.raises(ValueError, match=f"^{key}=flashinfer needs a CUDA device$"):
+        make_engine(tiny_llama_dir, f"{key}=flashinfer")

@@ -100,12 +100,13 @@ class Engine:
         self.tp_size = get_tp().size
         self.dummy_row = self.max_running  # the extra last row: padding and discarded samples
 
+        for key, value in (("engine.kernels", cfg.engine.kernels), ("engine.attention_backend", cfg.engine.attention_backend)):
+            if value == "flashinfer" and not on_gpu:  # refused before the weights load, not minutes after
+                raise ValueError(f"{key}=flashinfer needs a CUDA device")
         use_fi = on_gpu and flashinfer_installed() if cfg.engine.kernels == "auto" else cfg.engine.kernels == "flashinfer"
         if on_gpu and not use_fi and cfg.engine.kernels == "auto":
             log.warning("flashinfer is not installed: the GPU runs torch's kernels, without CUDA graphs (slow); "
                         "install the GPU extra: %s", GPU_EXTRA)
-        if use_fi and not on_gpu:
-            raise ValueError("engine.kernels=flashinfer needs a CUDA device")
         kernels = FLASHINFER_KERNELS if use_fi else TORCH_KERNELS
         triton_gpu = use_fi and gemv.supported(self.device)
         if triton_gpu and add_norm.PREFERRED:
