@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cfg.job.input:
         from runtime.frontend.job_files import JobPaths
-        from runtime.frontend.job_inputs import check_output, open_input, output_format
+        from runtime.frontend.job_inputs import check_output, open_input
         from runtime.sampling_params import SamplingParams
 
         try:  # bad input fails before the model loads
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             paths.check_writable()
             paths.check_same_rows(to_yaml(cfg))
             source = open_input(paths.input, cfg.job, SamplingParams(**vars(cfg.sampling)))
-            check_output(paths.output, output_format(paths.output, source), source, repair=False)
+            check_output(paths.output, source, repair=False)
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -99,7 +99,7 @@ def prepare(job: Any, paths: JobPaths, out_format: str, source: JobInput, replic
         if job.lock and not output_locked:
             held.enter_context(output_lock(paths.output, job.lock_wait_s))
         paths.check_same_rows(config_yaml)
-        check_output(paths.output, out_format, source)
+        check_output(paths.output, source)
         recover(paths, out_format, job.row_group_rows, job.lock_wait_s if job.lock else None)
         for stale in part_files(paths.errors):
             stale.unlink()

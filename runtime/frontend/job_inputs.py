@@ -79,10 +79,11 @@ def output_format(output: Path, source: JobInput) -> str:
     return "parquet" if parquet else "jsonl"
 
 
-def check_output(output: Path, out_format: str, source: JobInput, repair: bool = True) -> None:
+def check_output(output: Path, source: JobInput, repair: bool = True) -> None:
     """What ``output`` holds already is of this job's kind (a Parquet output: its columns and types): checked
     before the model loads (``repair=False``: it changes nothing), and again under the output's lock before
     anything in it is rewritten."""
+    out_format = output_format(output, source)
     if out_format == "parquet":
         from runtime.frontend.parquet_output import check_columns
 

@@ -172,7 +172,7 @@ def main(argv: list[str], script: str | None = None, configure_threads: Callable
 def check_inputs(runs: list[Run]) -> None:
     """Each run's input opens with its columns and format, and its output (when resumed) is of that input's kind:
     checked before any model loads, as a single job checks its own, so a bad input costs no load per run."""
-    from runtime.frontend.job_inputs import check_output, open_input, output_format
+    from runtime.frontend.job_inputs import check_output, open_input
     from runtime.sampling_params import SamplingParams
 
     sources: dict[str, Any] = {}  # one opening per distinct input and way of reading it
@@ -185,7 +185,7 @@ def check_inputs(runs: list[Run]) -> None:
             if reading not in sources:
                 sources[reading] = open_input(Path(job.input), job, SamplingParams(**vars(run.cfg.sampling)))
             source = sources[reading]
-            check_output(run.paths.output, output_format(run.paths.output, source), source, repair=False)
+            check_output(run.paths.output, source, repair=False)
         except ValueError as exc:
             raise ConfigError(f"run {run.index} ({run.described}): {exc}") from None
 

@@ -71,10 +71,10 @@ class TableInput:
         self.path, self.kind = path, kind
         self.files = self._files()
         schemas = [self._schema(file) for file in self.files]
-        if kind == "csv" and not self._tsv:
-            self._check_quotes()
         self.schema = schemas[0]
-        if kind == "csv":
+        if kind == "csv":  # one file
+            if not self._tsv:
+                self._check_quotes()
             self._check_field_counts()
         self.columns = self._choose(columns)
         self._kept = self._kept_types(schemas)
@@ -171,15 +171,14 @@ class TableInput:
     def _check_field_counts(self) -> None:
         """A row with more or fewer fields than the header stops pyarrow where it reads it: found here, over the
         whole file (one column kept), before the model loads rather than mid-job."""
-        for file in self.files:
-            first = self.schema.names[:1]
-            try:
-                for _ in pa_csv.open_csv(file, parse_options=self._csv_parse(), convert_options=pa_csv.ConvertOptions(
-                        include_columns=first, column_types=dict.fromkeys(first, pa.binary()))):
-                    pass
-            except pa.ArrowException as exc:
-                raise InputError(f"job.input={file} cannot be read as {_KIND_NAMES[self.kind]}: {_first_line(exc)}; "
-                                 "every row needs as many fields as the header") from None
+        first = self.schema.names[:1]
+        convert = pa_csv.ConvertOptions(include_columns=first, column_types=dict.fromkeys(first, pa.binary()))
+        try:
+            for _ in pa_csv.open_csv(self.path, parse_options=self._csv_parse(), convert_options=convert):
+                pass
+        except pa.ArrowException as exc:
+            raise InputError(f"job.input={self.path} cannot be read as {_KIND_NAMES[self.kind]}: {_first_line(exc)}; "
+                             "every row needs as many fields as the header") from None
 
     @staticmethod
     def _open_arrow(file: Path) -> Any:
