@@ -392,6 +392,17 @@ def test_a_sweep_files_values_reach_text_keys_as_written(model_dir, rows, tmp_pa
     assert len({r.name for r in runs}) == len(runs) == 8
 
 
+def test_axes_merged_in_by_a_yaml_merge_key_keep_their_values(model_dir, rows, tmp_path):
+    """A merge key (``<<: *anchor``, ``<<: {...}``) is merged by YAML's reading, not by the as-written one: each
+    axis must still get its own values, not those of the key beside it."""
+    file = tmp_path / "sweep.yaml"
+    file.write_text(yaml.safe_dump({"overrides": base_overrides(model_dir, rows), "out": str(tmp_path / "out")})
+                    + "grid:\n  <<: {sampling.temperature: [0, 0.5]}\n  sampling.stop: [[no], [012]]\n")
+    runs = plan_runs(load_sweep_file(file))
+    seen = {(r.cfg.sampling.temperature, tuple(r.cfg.sampling.stop)) for r in runs}
+    assert seen == {(t, stop) for t in (0.0, 0.5) for stop in (("no",), ("012",))}
+
+
 def test_a_config_given_with_a_sweep_file_adds_to_its_default_base(model_dir, rows, tmp_path):
     file = write_sweep(tmp_path / "sweep.yaml", model_dir, rows, grid={"sampling.top_p": [1.0, 0.9]})
     extra = tmp_path / "extra.yaml"

@@ -157,8 +157,8 @@ def load_sweep_file(path: str | Path, extra_configs: Sequence[str] = (), extra_o
         base = [str(DEFAULT_BASE)]
     return Sweep(
         source=src, base=base + list(extra_configs), overrides=overrides + list(extra_overrides),
-        grid=_axes(spec.get("grid"), written.get("grid"), f"{src}: 'grid'"),
-        zip=_axes(spec.get("zip"), written.get("zip"), f"{src}: 'zip'"),
+        grid=_axes(spec.get("grid"), _at(written, "grid"), f"{src}: 'grid'"),
+        zip=_axes(spec.get("zip"), _at(written, "zip"), f"{src}: 'zip'"),
         out=Path(out), name=name, metrics=_str_list(spec.get("metrics", []), f"{src}: 'metrics'"),
         plot=_plot(spec.get("plot"), src), reuse_engine=reuse,
     )
@@ -230,24 +230,33 @@ def _axes(value: Any, written: Any, what: str) -> dict[str, list[str]]:
     if not isinstance(value, dict):
         raise ConfigError(f"{what} must map config keys to lists of values, not {type(value).__name__}")
     axes = {}
-    for (key, values), texts in zip(value.items(), written.values()):
+    for key, values in value.items():
         if not isinstance(values, list):
             raise ConfigError(f"{what}: '{key}' must be a list of values, not {values!r}")
         if not values:
             raise ConfigError(f"{what}: '{key}' has no values")
-        axes[str(key)] = [_override_text(v, t) for v, t in zip(values, texts)]
+        axes[str(key)] = [_override_text(v, t) for v, t in zip(values, _texts(values, _at(written, key)))]
     return axes
+
+
+def _at(written: Any, key: Any) -> Any:
+    """``written[key]``, found by key: a merge key (``<<``) is not merged in ``written``, so position says nothing.
+    None where it is not there: the value is then given as YAML read it."""
+    return written.get(str(key)) if isinstance(written, dict) else None
+
+
+def _texts(value: list[Any], written: Any) -> list[Any]:
+    return written if isinstance(written, list) and len(written) == len(value) else [None] * len(value)
 
 
 def _override_text(value: Any, written: Any) -> str:
     """A sweep file's value as the text of a key=value override that reads back as a command line's would: a
     string quoted (JSON is YAML), any other scalar as written, so that a text key gets ``no`` or ``012`` as
     written (YAML 1.1 reads them as false and 10), as config files and overrides give it."""
-    if isinstance(value, list) and isinstance(written, list):
-        return "[" + ", ".join(_override_text(v, t) for v, t in zip(value, written)) + "]"
-    if isinstance(value, dict) and isinstance(written, dict):
-        pairs = zip(value.values(), written.items())
-        return "{" + ", ".join(f"{json.dumps(k)}: {_override_text(v, t)}" for v, (k, t) in pairs) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_override_text(v, t) for v, t in zip(value, _texts(value, written))) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)}: {_override_text(v, _at(written, k))}" for k, v in value.items()) + "}"
     if isinstance(value, str) or not isinstance(written, str):
         return json.dumps(value)
     return written
