@@ -265,6 +265,30 @@ def test_latency_is_from_claim_to_result(tiny_llama_dir, tmp_path):
     assert m["latency_s"]["p50"] < m["wall_s"] / 3, m
 
 
+def test_a_job_holds_no_served_result(tiny_llama_dir, tmp_path, monkeypatch):
+    """What a job has written leaves memory: while a 30-row job runs, no output it has already written is still
+    alive, so a job of millions of rows (or with logprobs) does not grow with them."""
+    import weakref
+
+    from runtime.frontend import results
+
+    served: list[weakref.ref] = []
+    alive_before: list[int] = []  # at each completion, how many earlier outputs are still alive
+    complete = results.Results._complete
+
+    def recording(self: results.Results, out: results.RequestOutput) -> None:
+        alive_before.append(sum(ref() is not None for ref in served))
+        served.append(weakref.ref(out))
+        complete(self, out)
+
+    monkeypatch.setattr(results.Results, "_complete", recording)
+    rows = [{"id": i, "prompt": [5, 6, 7 + i], "sampling": {"max_new_tokens": 2}} for i in range(30)]
+    _write(tmp_path / "rows.jsonl", [json.dumps(r).encode() for r in rows])
+    m = run_job(_llm(tiny_llama_dir, tmp_path, "scheduler.max_running_requests=2"), "cfg")
+    assert m["completed"] == 30 and len(served) == 30 and len(_read(tmp_path / "out.jsonl")) == 30
+    assert max(alive_before) == 0, alive_before
+
+
 @pytest.mark.parametrize(("line", "reason"), [
     (b'{"id": 1, "prompt": "a\tb"}', "Invalid control character at column 23"),  # a raw tab inside a string
     (b'{"id": 1, "prompt": "ab",}', "Expecting property name enclosed in double quotes at column 26"),
@@ -322,3 +346,35 @@ def test_a_utf8_bom_before_the_first_row_is_not_part_of_it(tmp_path):
                      + json.dumps({"id": 2, "prompt": "Yo"}).encode() + b"\n")
     assert jsonl_format(rows) == "native"
     assert [(r.id, r.error) for r in read_rows(rows, SamplingParams(), False)] == [(1, None), (2, None)]
+
+
+def test_reading_back_an_output_holds_one_line_at_a_time(tmp_path):
+    """A resume reads outputs that may be larger than memory (logprobs): the ids done, a merge of parts and an
+    OpenAI batch output's error lines dropped each hold about one line at a time, not the file."""
+    import tracemalloc
+
+    from runtime.frontend import openai_api
+    from runtime.frontend.job_files import done_ids, drop_error_lines, merge_parts
+
+    pad = "x" * 100_000
+    out, batch = tmp_path / "out.jsonl", tmp_path / "batch.jsonl"
+    out.write_text("".join(json.dumps({"id": i, "text": pad}) + "\n" for i in range(150)) + '{"id": 150, "te')
+    (tmp_path / "out.jsonl.part-1").write_text("".join(json.dumps({"id": i, "text": pad}) + "\n"
+                                                       for i in range(140, 160)))
+    served = {"id": "b", "custom_id": "{}", "response": {"status_code": 200, "request_id": "r", "body": {"p": pad}},
+              "error": None}
+    failed = openai_api.error_line(None, "line:1", "invalid_json", "line 1 is not valid JSON")
+    batch.write_text("".join(json.dumps({**served, "custom_id": f"c{i}"}) + "\n" for i in range(150))
+                     + json.dumps(failed) + "\n")
+    assert out.stat().st_size > 15e6 and batch.stat().st_size > 15e6
+    tracemalloc.start()
+    try:
+        assert done_ids(out) == {json.dumps(i) for i in range(150)}  # the torn last line is cut
+        assert merge_parts(out) == 10
+        assert drop_error_lines(batch) == 1
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3e6, peak
+    assert done_ids(out) == {json.dumps(i) for i in range(160)}
+    assert [json.loads(line)["custom_id"] for line in batch.read_text().splitlines()] == [f"c{i}" for i in range(150)]

@@ -324,7 +324,7 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: Todo, out_format:
     # Parquet rows wait in memory for a whole row group: each step flushes those older than job.fsync_every_s.
     each_step = (lambda _batch: outputs.tick()) if out_format == "parquet" else None
     try:
-        llm.run(take, on_result=on_result, on_batch=each_step, admit=fits)
+        llm.run(take, on_result=on_result, on_batch=each_step, admit=fits, keep_results=False)
     finally:
         outputs.close()
         errors.close()

@@ -14,7 +14,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -375,22 +375,52 @@ def _openai_row(obj: Any, line_no: int, defaults: SamplingParams, seen: set[str]
     return JobRow(line_no, custom_id, prompt=prompt, sampling=sampling, request=request)
 
 
-def whole_lines(path: Path, repair: bool = False) -> list[bytes]:
-    """The complete lines of ``path``; a torn last line from a killed writer is left out (with ``repair``, cut)."""
+def whole_lines(path: Path, repair: bool = False) -> Iterator[bytes]:
+    """The complete lines of ``path``, read as they are iterated (an output may be larger than memory); a torn
+    last line from a killed writer is left out (with ``repair``, cut at once, before the first line is read)."""
     if not path.exists():
-        return []
-    data = path.read_bytes()
-    whole = data[: data.rfind(b"\n") + 1]
-    if len(whole) != len(data) and _is_object(data[len(whole):]):  # whole, only its newline missing (an edit)
-        whole = data + b"\n"
-    if repair and whole != data:
+        return iter(())
+    size = path.stat().st_size
+    end = _last_newline_end(path, size)
+    tail_is_whole = end < size and _is_object(_read_range(path, end, size))  # only its newline missing (an edit)
+    if repair and end < size:
         with open(path, "r+b") as f:
-            if len(whole) < len(data):
-                f.truncate(len(whole))
-            else:
-                f.seek(len(data))
+            if tail_is_whole:
+                f.seek(size)
                 f.write(b"\n")
-    return whole.split(b"\n")[:-1]
+            else:
+                f.truncate(end)
+    return _lines(path, size if tail_is_whole else end)
+
+
+def _lines(path: Path, end: int) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        done = 0
+        for line in f:
+            if done >= end:
+                return
+            done += len(line)
+            yield line[:-1] if line.endswith(b"\n") else line
+
+
+def _last_newline_end(path: Path, size: int, chunk: int = 1 << 16) -> int:
+    """The offset just past the last newline of ``path`` (0 if it has none), reading it from its end."""
+    with open(path, "rb") as f:
+        stop = size
+        while stop > 0:
+            start = max(0, stop - chunk)
+            f.seek(start)
+            found = f.read(stop - start).rfind(b"\n")
+            if found >= 0:
+                return start + found + 1
+            stop = start
+    return 0
+
+
+def _read_range(path: Path, start: int, stop: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(start)
+        return f.read(stop - start)
 
 
 def _is_object(line: bytes) -> bool:
@@ -505,7 +535,6 @@ def served_custom_ids(path: Path) -> set[str]:
 def drop_error_lines(path: Path) -> int:
     """Remove an OpenAI batch output's error lines so a rerun retries them; written aside and renamed, so a kill
     leaves the old file whole. Every other line stays: only an error line is known to hold nothing."""
-    lines = whole_lines(path, repair=True)
 
     def error_line(line: bytes) -> bool:
         try:
@@ -514,18 +543,17 @@ def drop_error_lines(path: Path) -> int:
             return False
         return openai_api.is_result_line(obj) and not openai_api.is_served(obj)
 
-    kept = [line for line in lines if not error_line(line)]
-    if len(kept) == len(lines):
-        return 0
-    write_atomic(path, b"".join(line + b"\n" for line in kept))
-    return len(lines) - len(kept)
+    dropped = sum(map(error_line, whole_lines(path, repair=True)))
+    if dropped:
+        write_atomic(path, (line + b"\n" for line in whole_lines(path) if not error_line(line)))
+    return dropped
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` by ``data`` atomically (temporary file, synced, renamed over it)."""
+def write_atomic(path: Path, chunks: Iterable[bytes]) -> None:
+    """Replace ``path`` by ``chunks`` atomically (temporary file, synced, renamed over it)."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
-        f.write(data)
+        f.writelines(chunks)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -216,25 +216,26 @@ class LLM:
 
     def run(
         self, items: Sequence[Item] | ItemSource, on_result=None, on_batch=None,  # noqa: ANN001
-        admit: Callable[[Any, Req], None] | None = None,
+        admit: Callable[[Any, Req], None] | None = None, keep_results: bool = True,
     ) -> list[RequestOutput]:
         """Serve (key, prompt, params) items; ``on_result(key, output)`` fires as each one completes.
 
         ``items`` is a list, or a source ``source(n)`` returning up to ``n`` more items ([] for none now, None at
         the end), so DP replicas take rows as they have room. ``admit(key, request)`` may refuse a tokenized
         request before it is queued by raising ValueError; its message is the item's error. Runs called from
-        several threads take turns.
+        several threads take turns. ``keep_results=False``: outputs reach ``on_result`` only and the run returns
+        [], so a long job's memory does not grow with the rows it has served.
         """
         with self._generating:
-            return self._run(items, on_result, on_batch, admit)
+            return self._run(items, on_result, on_batch, admit, keep_results)
 
     def _run(
         self, items: Sequence[Item] | ItemSource, on_result: Callable[[Any, RequestOutput], None] | None,
-        on_batch: Callable[[Batch | None], None] | None, admit: Callable[[Any, Req], None] | None,
+        on_batch: Callable[[Batch | None], None] | None, admit: Callable[[Any, Req], None] | None, keep: bool,
     ) -> list[RequestOutput]:
         if self._closed:  # its workers have left and its CUDA graphs are freed
             raise RuntimeError("this LLM was shut down; create a new LLM to generate")
-        results = Results(self._decode, on_result)
+        results = Results(self._decode, on_result, keep)
 
         def submit(new_items: Sequence[Item]) -> None:
             for key, prompt, params in new_items:
@@ -276,13 +277,12 @@ class LLM:
             self.scheduler.abort_all()
             raise
         elapsed = time.perf_counter() - start
-        done = results.in_order()
-        generated = sum(o.total_completion_tokens for o in done)
+        generated = results.completion_tokens
         self.last_stats = {
             "seconds": elapsed, "output_tokens": generated, "tokens_per_s": generated / max(elapsed, 1e-9),
             "prefill_tokens": stats.prefill_tokens - prefilled, "cached_tokens": stats.cached_tokens - cached,
         }
-        return done
+        return results.in_order()
 
     def step_loop(
         self, on_finish: Callable[[Req], None], refill: Callable[[], bool] | None = None,

@@ -32,18 +32,27 @@ class RequestOutput:
 
 
 class Results:
-    """Collects the results of one ``LLM.run`` by input position; a prompt completes once all its samples do."""
+    """Collects the results of one ``LLM.run`` by input position; a prompt completes once all its samples do.
 
-    def __init__(self, decode: Callable[[list[int]], str], on_result: Callable[[Any, RequestOutput], None] | None):
+    With ``keep=False`` each output goes to ``on_result`` only and nothing of it stays: a job of millions of rows
+    holds only the prompts in flight.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], on_result: Callable[[Any, RequestOutput], None] | None,
+                 keep: bool = True):
         self.decode = decode
         self.on_result = on_result
-        self.keys: list[Any] = []
+        self.keep = keep
+        self.positions = 0
+        self.completion_tokens = 0
+        self._keys: dict[int, Any] = {}
         self.done: dict[int, RequestOutput] = {}
         self._samples: dict[int, list[SampleOutput]] = {}
 
     def new_position(self, key: Any) -> int:
-        self.keys.append(key)
-        return len(self.keys) - 1
+        self._keys[self.positions] = key
+        self.positions += 1
+        return self.positions - 1
 
     def fail(self, position: int, message: str) -> None:
         self._complete(RequestOutput(index=position, error=message))
@@ -65,11 +74,18 @@ class Results:
         ))
 
     def _complete(self, out: RequestOutput) -> None:
-        self.done[out.index] = out
+        self.completion_tokens += out.total_completion_tokens
+        if self.keep:
+            self.done[out.index] = out
+            key = self._keys[out.index]
+        else:
+            key = self._keys.pop(out.index)
         if self.on_result is not None:
-            self.on_result(self.keys[out.index], out)
+            self.on_result(key, out)
 
     def in_order(self) -> list[RequestOutput]:
-        """Every position's output; one cut short by a drain is an error saying so."""
+        """Every position's output (none with ``keep=False``); one cut short by a drain is an error saying so."""
+        if not self.keep:
+            return []
         return [self.done.get(i) or RequestOutput(index=i, error="interrupted before it finished")
-                for i in range(len(self.keys))]
+                for i in range(self.positions)]

@@ -37,7 +37,7 @@ def result_row(sweep: Sweep, run: Run) -> dict[str, Any]:
     row.update(
         status=record.get("status", PENDING),
         rows=served,
-        errors=len(whole_lines(paths.errors)),
+        errors=sum(1 for _ in whole_lines(paths.errors)),
         output_tokens=tokens,
         tokens_per_s=round(generated / job_s, 2) if job_s > 0 and generated > 0 else None,  # else unmeasured
         wall_s=round(sum(a.get("wall_s", 0.0) for a in attempts), 3) if attempts else None,
