@@ -265,6 +265,26 @@ def test_latency_is_from_claim_to_result(tiny_llama_dir, tmp_path):
     assert m["latency_s"]["p50"] < m["wall_s"] / 3, m
 
 
+def test_a_compressed_file_or_a_json_array_is_not_read_as_jsonl(tmp_path):
+    """Each of its lines would be an error row after the model loads: it is refused before, saying what it is."""
+    import gzip
+
+    from runtime.frontend.job_files import InputError, jsonl_format
+
+    rows = [{"id": 1, "prompt": "a"}, {"id": 2, "prompt": "b"}]
+    lines = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    (tmp_path / "rows.jsonl.gz").write_bytes(gzip.compress(lines))
+    with pytest.raises(InputError, match=r"rows.jsonl.gz is gzip-compressed; decompress it first"):
+        jsonl_format(tmp_path / "rows.jsonl.gz")
+    (tmp_path / "rows.json").write_text(json.dumps(rows, indent=2))
+    with pytest.raises(InputError, match=r"rows.json holds one JSON array, not JSON Lines .* jq -c"):
+        jsonl_format(tmp_path / "rows.json")
+    (tmp_path / "rows.jsonl").write_bytes(lines)
+    assert jsonl_format(tmp_path / "rows.jsonl") == "native"
+    (tmp_path / "first_row_a_list.jsonl").write_bytes(b'[1, 2]\n' + lines)  # one bad row: an error row, as any
+    assert jsonl_format(tmp_path / "first_row_a_list.jsonl") == "native"
+
+
 def test_a_job_holds_no_served_result(tiny_llama_dir, tmp_path, monkeypatch):
     """What a job has written leaves memory: while a 30-row job runs, no output it has already written is still
     alive, so a job of millions of rows (or with logprobs) does not grow with them."""

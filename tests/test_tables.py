@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from runtime import LLM
-from runtime.config import JobColumnsSection
+from runtime.config import ConfigError, JobColumnsSection
 from runtime.frontend import parquet_output
 from runtime.frontend.job import Todo, plan, run_job
 from runtime.frontend.job_files import InputError, JobRow, json_line, part_files
@@ -311,6 +311,26 @@ def test_bad_tables_say_what_is_wrong(tmp_path):
         table_kind(tmp_path / "dd")
 
 
+def test_repeated_column_names_and_a_header_that_is_not_utf8_are_named(tmp_path):
+    """Two columns of one name (a CSV header, a Parquet file) cannot be told apart, a keep list naming a column
+    twice would write it twice, and a header in Latin-1 cannot be read: each is one line naming the file or key."""
+    (tmp_path / "dup.csv").write_text("id,prompt,id\n1,hi,2\n")
+    with pytest.raises(InputError, match=r"dup.csv has more than one column named \['id'\]"):
+        TableInput(tmp_path / "dup.csv", "csv", _columns())
+    (tmp_path / "unused.csv").write_text("id,prompt,note,note\n1,hi,a,b\n")  # repeated, but not read: fine
+    assert TableInput(tmp_path / "unused.csv", "csv", _columns()).columns.prompt == "prompt"
+    table = pa.Table.from_arrays([pa.array([1]), pa.array(["hi"]), pa.array(["x"])], names=["id", "prompt", "prompt"])
+    pq.write_table(table, tmp_path / "dup.parquet")
+    with pytest.raises(InputError, match=r"dup.parquet has more than one column named \['prompt'\]"):
+        TableInput(tmp_path / "dup.parquet", "parquet", _columns())
+    pq.write_table(_table(), tmp_path / "in.parquet")
+    with pytest.raises(InputError, match=r"job.columns.keep=\['source', 'source'\] names \['source'\] more than once"):
+        TableInput(tmp_path / "in.parquet", "parquet", _columns(prompt="question", keep=["source", "source"]))
+    (tmp_path / "latin1.csv").write_bytes(b"id,caf\xe9\n1,hi\n")
+    with pytest.raises(InputError, match=r"latin1.csv: a column name in its header is not valid UTF-8 \(byte 0xe9\)"):
+        TableInput(tmp_path / "latin1.csv", "csv", _columns())
+
+
 def test_a_bad_table_fails_at_start_with_one_line(text_model, llm, tmp_path):
     fake = tmp_path / "in.parquet"
     fake.write_text('{"id": 1, "prompt": "I am JSON"}\n')
@@ -409,6 +429,23 @@ def test_parquet_parts_are_flushed_whole_and_merged_once(tmp_path):
     assert pq.read_table(out).column("id").to_pylist() == list(range(9))
     assert (tmp_path / ".out.parquet.part-2-1-000000.unreadable").exists()
     assert parquet_output.merge_parts(out, row_group_rows=100) == 0  # nothing left to merge
+    (tmp_path / "out.parquet.part-2-1-000000").write_bytes(b"damaged again")  # set aside beside the first
+    assert parquet_output.done_keys(out) == {json.dumps(i) for i in range(9)}
+    assert (tmp_path / ".out.parquet.part-2-1-000000.unreadable").read_bytes() == b"not parquet"
+    assert (tmp_path / ".out.parquet.part-2-1-000000.unreadable.1").read_bytes() == b"damaged again"
+
+
+def test_an_output_that_is_not_parquet_is_refused_and_left_as_it_is(tmp_path):
+    """job.output=x.parquet naming someone's other file: the job stops naming it, and the file stays where and
+    what it was."""
+    out = tmp_path / "out.parquet"
+    out.write_text("notes, not a table\n")
+    for repair in (False, True):
+        with pytest.raises(ConfigError, match=r"job.output=.*out.parquet is not readable Parquet .*: move it away"):
+            parquet_output.check_columns(out, [], repair)
+    with pytest.raises(ConfigError, match="is not readable Parquet"):
+        parquet_output.done_keys(out)
+    assert out.read_text() == "notes, not a table\n" and sorted(p.name for p in tmp_path.iterdir()) == ["out.parquet"]
 
 
 @pytest.mark.parametrize("bad_id", [2**70, "\ud800x"], ids=["beyond-int64", "lone-surrogate"])
@@ -674,3 +711,44 @@ def test_kept_values_json_has_no_type_for_are_written_as_strict_json(llm, tmp_pa
     line = json_line({"id": 1, "logprobs": [{"token_id": 5, "logprob": -float("inf")}], "cumulative_logprob": math.nan})
     assert json.loads(line, parse_constant=refuse) == {"id": 1, "logprobs": [{"token_id": 5, "logprob": None}],
                                                        "cumulative_logprob": None}
+
+
+def test_nanosecond_times_in_kept_columns_are_carried_exactly(llm, tmp_path):
+    """pandas writes timestamps in nanoseconds, which no Python type holds: kept, they reach a JSONL output as
+    exact ISO 8601 text and a Parquet output as the same values; nested ones are refused at start, naming the
+    column."""
+    nanos = [1_700_000_000_123_456_789, 1_700_000_000_000_000_000, -1, None]
+    table = pa.table({
+        "qid": IDS[:4], "question": QUESTIONS[:4],
+        "at": pa.array(nanos, pa.timestamp("ns", tz="UTC")),
+        "naive": pa.array(nanos, pa.timestamp("ns")),
+        "clock": pa.array([3_723_000_000_001, 0, 86_399_999_999_999, None], pa.time64("ns")),
+        "took": pa.array([90_061_000_000_001, 5_000, -1, None], pa.duration("ns")),
+    })
+    pq.write_table(table, tmp_path / "in.parquet")
+    keep = ["at", "naive", "clock", "took"]
+    out = tmp_path / "out.jsonl"
+    assert _job(llm, tmp_path / "in.parquet", out, id="qid", prompt="question", keep=keep)["errors"] == 0
+    rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert [rows[i]["at"] for i in IDS[:4]] == [
+        "2023-11-14T22:13:20.123456789+00:00", "2023-11-14T22:13:20+00:00", "1969-12-31T23:59:59.999999999+00:00",
+        None]
+    assert [rows[i]["naive"] for i in IDS[:4]] == [
+        "2023-11-14T22:13:20.123456789", "2023-11-14T22:13:20", "1969-12-31T23:59:59.999999999", None]
+    assert [rows[i]["clock"] for i in IDS[:4]] == ["01:02:03.000000001", "00:00:00", "23:59:59.999999999", None]
+    assert [rows[i]["took"] for i in IDS[:4]] == ["P1DT1H1M1.000000001S", "P0DT0H0M0.000005S",
+                                                  "-P0DT0H0M0.000000001S", None]
+
+    out_parquet = tmp_path / "out.parquet"
+    assert _job(llm, tmp_path / "in.parquet", out_parquet, id="qid", prompt="question", keep=keep)["errors"] == 0
+    written = pq.read_table(out_parquet)
+    order = [written.column("id").to_pylist().index(i) for i in IDS[:4]]
+    for name in keep:
+        assert written.schema.field(name).type == table.schema.field(name).type
+        assert written.column(name).take(order).combine_chunks().equals(table.column(name).combine_chunks()), name
+
+    nested = table.append_column("stamps", pa.array([[n] for n in nanos], pa.list_(pa.timestamp("ns"))))
+    pq.write_table(nested, tmp_path / "nested.parquet")
+    with pytest.raises(InputError, match=r"column 'stamps' \(list<element: timestamp\[ns\]>\) holds nanosecond times"):
+        _job(llm, tmp_path / "nested.parquet", tmp_path / "nested.jsonl", id="qid", prompt="question",
+             keep=["stamps"])

@@ -250,6 +250,7 @@ def row_kind(obj: Any, fmt: str = "auto") -> str | None:
 def jsonl_format(path: Path, forced: str = "auto") -> str:
     """The kind of rows a JSONL file holds, from its first row of a known kind (native if none is); a forced
     ``job.format`` must agree with that row, so a mismatch stops the job before the model loads."""
+    _check_is_jsonl(path)
     found = None
     with open(path, "rb") as f:
         for raw in f:
@@ -265,6 +266,28 @@ def jsonl_format(path: Path, forced: str = "auto") -> str:
         raise InputError(f"{path}: its first row is {_KIND_NAMES[found]}, in a file of {_KIND_PLURALS[forced]} "
                          f"(job.format={forced}); a file holds one kind of row")
     return forced
+
+
+_COMPRESSED = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz",
+               b"PK\x03\x04": "zip"}
+
+
+def _check_is_jsonl(path: Path) -> None:
+    """A compressed file or one JSON array is not JSON Lines: said before the model loads, where every one of its
+    lines would otherwise be an error row."""
+    with open(path, "rb") as f:
+        first_line = f.readline(1 << 20)
+    for magic, name in _COMPRESSED.items():
+        if first_line.startswith(magic):
+            raise InputError(f"job.input={path} is {name}-compressed; decompress it first (JSONL inputs are read as "
+                             "plain text)")
+    text = first_line.removeprefix(codecs.BOM_UTF8).strip()
+    if text.startswith(b"["):
+        try:
+            json.loads(text)
+        except (ValueError, RecursionError):  # an array that goes on over the next lines
+            raise InputError(f"job.input={path} holds one JSON array, not JSON Lines (one object per line); "
+                             f"convert it first, e.g. jq -c '.[]' {path} > rows.jsonl") from None
 
 
 _CUSTOM_ID = re.compile(rb'"custom_id"\s*:\s*("(?:[^"\\]|\\.)*")')
@@ -593,19 +616,38 @@ def _json_value(value: Any) -> Any:
     if isinstance(value, (datetime.date, datetime.time)):  # datetime is a date
         return value.isoformat()
     if isinstance(value, datetime.timedelta):
-        return _iso_duration(value)
+        return _iso_duration(value // datetime.timedelta(microseconds=1) * 1000)
+    if type(value).__module__ == "pyarrow.lib":  # a nanosecond time: tables.py keeps those as Arrow scalars
+        return _nanosecond_text(value)
     return str(value)  # Decimal and the like: their exact text
 
 
-def _iso_duration(value: datetime.timedelta) -> str:
-    """ISO 8601 duration, exact to the microsecond: ``P1DT2H3M4.5S``; negative ones lead with ``-``."""
-    sign = "-" if value < datetime.timedelta(0) else ""
-    micros = abs(value) // datetime.timedelta(microseconds=1)
-    days, micros = divmod(micros, 86_400_000_000)
-    hours, micros = divmod(micros, 3_600_000_000)
-    minutes, micros = divmod(micros, 60_000_000)
-    seconds, micros = divmod(micros, 1_000_000)
-    second_text = f"{seconds}.{micros:06d}".rstrip("0").rstrip(".")
+def _nanosecond_text(value: Any) -> str:
+    """A nanosecond timestamp, time of day or duration (an Arrow scalar) as ISO 8601 text; one that is whole
+    microseconds reads as a microsecond column's value does."""
+    import pyarrow as pa  # only tables hold such values: a JSONL job never imports pyarrow
+
+    nanos = value.value
+    if pa.types.is_duration(value.type):
+        return _iso_duration(nanos)
+    micro_type = pa.timestamp("us", value.type.tz) if pa.types.is_timestamp(value.type) else pa.time64("us")
+    micros, extra = divmod(nanos, 1000)
+    as_py = pa.scalar(micros, micro_type).as_py()
+    if extra == 0:
+        return as_py.isoformat()
+    text = as_py.isoformat(timespec="microseconds")
+    digits_end = text.index(".") + 7
+    return f"{text[:digits_end]}{extra:03d}{text[digits_end:]}"
+
+
+def _iso_duration(nanos: int) -> str:
+    """ISO 8601 duration, exact to the nanosecond: ``P1DT2H3M4.5S``; negative ones lead with ``-``."""
+    sign = "-" if nanos < 0 else ""
+    days, nanos = divmod(abs(nanos), 86_400 * 10**9)
+    hours, nanos = divmod(nanos, 3_600 * 10**9)
+    minutes, nanos = divmod(nanos, 60 * 10**9)
+    seconds, nanos = divmod(nanos, 10**9)
+    second_text = f"{seconds}.{nanos:09d}".rstrip("0").rstrip(".")
     return f"{sign}P{days}DT{hours}H{minutes}M{second_text}S"
 
 

@@ -153,18 +153,35 @@ def write_table_atomic(table: pa.Table, path: Path, row_group_rows: int) -> None
     os.replace(tmp, path)
 
 
-def _readable(files: list[Path], repair: bool = True) -> Iterator[tuple[Path, pq.ParquetFile]]:
-    """The files that open as Parquet; a damaged one is renamed aside with a warning and its rows served again
+def _readable(output: Path, repair: bool = True) -> Iterator[tuple[Path, pq.ParquetFile]]:
+    """The output and its parts, opened. An output that is not Parquet is refused: it may be someone's file, and
+    nothing of it is touched. A damaged part (ours) is renamed aside with a warning and its rows served again
     (``repair``; else it is skipped: a check before the lock is taken changes nothing)."""
-    for f in files:
+    for f in _sources(output):
         try:
             yield f, pq.ParquetFile(f)
         except (pa.ArrowException, OSError) as exc:
+            if f == output:
+                raise ConfigError(f"job.output={output} is not readable Parquet ({_first_line(exc)}): move it away, "
+                                  "or use another job.output") from None
             if not repair:
                 continue
-            aside = f.with_name(f".{f.name}.unreadable")
+            aside = _free_name(f.with_name(f".{f.name}.unreadable"))
             log.warning("%s is not readable Parquet (%s); moved to %s, its rows are served again", f, exc, aside)
             os.replace(f, aside)
+
+
+def _free_name(path: Path) -> Path:
+    """``path``, or ``path.1``, ``path.2``...: the first that does not exist, so nothing set aside is replaced."""
+    candidate, n = path, 0
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}.{n}")
+    return candidate
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def _sources(output: Path) -> list[Path]:
@@ -174,7 +191,7 @@ def _sources(output: Path) -> list[Path]:
 def existing_schema(output: Path, repair: bool = True) -> pa.Schema | None:
     """The schema of the output or of its first part that holds rows: an empty table (an empty input's output)
     decides nothing, since its id column's type was a guess."""
-    for _, reader in _readable(_sources(output), repair):
+    for _, reader in _readable(output, repair):
         if reader.metadata.num_rows > 0:
             return reader.schema_arrow
     return None
@@ -236,7 +253,7 @@ def _keys(ids: list[Any]) -> list[str]:
 def done_keys(output: Path) -> set[str]:
     """Ids (as JSON keys) of the rows in the output and its parts."""
     keys: set[str] = set()
-    for _, reader in _readable(_sources(output)):
+    for _, reader in _readable(output):
         for batch in reader.iter_batches(columns=["id"]):
             keys.update(_keys(batch.column(0).to_pylist()))
     return keys
@@ -249,7 +266,7 @@ def merge_parts(output: Path, row_group_rows: int) -> int:
     parts = part_files(output)
     if not parts:
         return 0
-    readable = list(_readable(_sources(output)))
+    readable = list(_readable(output))
     if not readable:
         return 0
     # Empty tables hold no row, and their id type was a guess: rows decide; with none, the first empty one stays.

@@ -110,6 +110,15 @@ class TableInput:
             absent = [n for n in self.wanted if n not in schema.names]
             if absent:
                 raise InputError(f"{file} has no column(s) {absent}; its columns: {schema.names}")
+            repeated = [n for n in self.wanted if schema.names.count(n) > 1]
+            if repeated:
+                raise InputError(f"{file} has more than one column named {repeated}: rename them, so the column to "
+                                 "read is known")
+            for name in self.wanted:
+                kind = schema.field(name).type
+                if not _is_nanosecond_time(kind) and _holds_nanosecond_times(kind):
+                    raise InputError(f"{file}: column {name!r} ({kind}) holds nanosecond times inside it, which "
+                                     "a job cannot carry exactly; cast them to microseconds, or leave the column out")
         keep = self.columns.keep
         try:
             unified = pa.unify_schemas([pa.schema([s.field(n) for n in keep]) for s in schemas],
@@ -140,6 +149,9 @@ class TableInput:
                 names = pa_csv.open_csv(file, parse_options=self._csv_parse()).schema.names
                 return pa.schema([pa.field(name, pa.string()) for name in names])
             return self._open_arrow(file).schema
+        except UnicodeDecodeError as exc:  # a CSV header that is not UTF-8
+            raise InputError(f"job.input={file}: a column name in its header is not valid UTF-8 (byte "
+                             f"0x{exc.object[exc.start]:02x}); save the file as UTF-8") from None
         except (pa.ArrowException, OSError) as exc:
             raise InputError(f"job.input={file} is not a readable {_KIND_NAMES[self.kind]} file: "
                              f"{_first_line(exc)}") from None
@@ -191,6 +203,10 @@ class TableInput:
 
     def _choose(self, cfg: Any) -> Columns:
         names = self.schema.names
+        keep = list(cfg.keep)
+        repeated = sorted({n for n in keep if keep.count(n) > 1})
+        if repeated:
+            raise InputError(f"job.columns.keep={keep} names {repeated} more than once")
 
         def missing(key: str, name: str) -> InputError:
             return InputError(f"job.columns.{key}={name!r} is not a column of {self.path}; its columns: {names}")
@@ -207,7 +223,6 @@ class TableInput:
         if not prompt and not messages:
             raise InputError(f"{self.path} has no prompt column: name it with job.columns.prompt=<column> (text or "
                              f"token ids) or job.columns.messages=<column> (chats); its columns: {names}")
-        keep = list(cfg.keep)
         for name in keep:
             if name not in names:
                 raise missing("keep", name)
@@ -247,7 +262,7 @@ class TableInput:
         number = 0
         for batch in self.batches():
             size = batch.num_rows
-            columns = {name: batch.column(name).to_pylist() for name in self.wanted}
+            columns = {name: _values(batch.column(name)) for name in self.wanted}
             errors = _decode_csv_cells(columns, number) if self.kind == "csv" else [None] * size
             ids = columns[c.id] if c.id else range(number, number + size)
             prompts = columns[c.prompt or c.messages]
@@ -279,6 +294,26 @@ class TableInput:
         if isinstance(prompt, str) and chat_template:
             prompt = [{"role": "user", "content": prompt}]
         return JobRow(number, row_id, prompt=prompt, sampling=defaults)
+
+
+def _values(column: pa.Array) -> list[Any]:
+    """A column's values as Python's; nanosecond times, which no Python type holds, stay Arrow scalars (exact in
+    a Parquet output, ISO 8601 text in JSON)."""
+    if _is_nanosecond_time(column.type):
+        return [value if value.is_valid else None for value in column]
+    return column.to_pylist()
+
+
+def _is_nanosecond_time(kind: pa.DataType) -> bool:
+    return (pa.types.is_timestamp(kind) or pa.types.is_time64(kind) or pa.types.is_duration(kind)) \
+        and kind.unit == "ns"
+
+
+def _holds_nanosecond_times(kind: pa.DataType) -> bool:
+    """Whether nanosecond times sit inside ``kind`` (a list's items, a struct's fields, a map's values)."""
+    if _is_nanosecond_time(kind):
+        return True
+    return any(_holds_nanosecond_times(kind.field(i).type) for i in range(kind.num_fields))
 
 
 def _decode_csv_cells(columns: dict[str, list[Any]], first: int) -> list[str | None]:
