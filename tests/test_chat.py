@@ -23,3 +23,17 @@ def test_chat_answers_a_question_and_takes_one_or_many_conversations():
     with pytest.raises(TypeError, match="conversation"):
         llm.chat(["What is 2+2?"])
     llm.shutdown()
+
+
+@pytest.mark.slow
+def test_a_lone_surrogate_fails_its_prompt_alone_saying_so():
+    """JSON can carry "\\ud800", which no tokenizer encodes: the prompt's error says what and where, as a chat
+    message's does; the prompts beside it are served."""
+    llm = LLM(overrides=["engine.device=cpu"])
+    greedy = SamplingParams(temperature=0, max_new_tokens=2)
+    outs = llm.generate(["ab\ud800c", "Hello"], greedy)
+    assert outs[0].error == "prompt is not valid Unicode: a lone surrogate U+D800 at character 2"
+    assert outs[1].error is None and outs[1].completion_tokens == 2
+    (chat,) = llm.chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "\udfff"}], greedy)
+    assert chat.error == "message 1's content is not valid Unicode: a lone surrogate U+DFFF at character 0"
+    llm.shutdown()

@@ -212,6 +212,19 @@ def test_models_health_and_auth(server, client):
     assert caught.value.status_code == 401 and caught.value.body["code"] == "invalid_api_key"
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="other", prompt="Hi", max_tokens=2)
+    # A key of bytes that are not UTF-8 is a wrong key too: 401 in OpenAI's shape, not a server error.
+    import socket
+    from urllib.parse import urlsplit
+
+    address = urlsplit(server)
+    with socket.create_connection((address.hostname, address.port), timeout=30) as raw:
+        raw.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                    b"Authorization: Bearer \xff\xfe\r\n\r\n")
+        answer = b""
+        while chunk := raw.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 401") and json.loads(body)["error"]["code"] == "invalid_api_key", answer
 
 
 def _call(url: str, body: object = None, key: str | None = KEY) -> tuple[int, dict]:

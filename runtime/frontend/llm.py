@@ -68,6 +68,15 @@ def quiet_garbage_collector() -> Iterator[None]:
                 gc.unfreeze()
 
 
+def _check_unicode(text: str, what: str) -> None:
+    """A lone surrogate (JSON allows "\\ud800") is no character a tokenizer can encode: said as such."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid Unicode: a lone surrogate U+{ord(text[exc.start]):04X} at character "
+                         f"{exc.start}") from None
+
+
 def _kind(prompt: object) -> str:
     if isinstance(prompt, list):
         return f"a list of {', '.join(sorted({type(t).__name__ for t in prompt}))}"
@@ -127,11 +136,13 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
+            _check_unicode(prompt, "prompt")
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            for m in prompt:
+            for i, m in enumerate(prompt):
                 if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                     raise ValueError("each chat message needs string 'role' and 'content' fields")
+                _check_unicode(m["content"], f"message {i}'s content")
             text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
             return self.tokenizer.encode(text, add_special_tokens=False)
         raise ValueError(f"a prompt must be a string, a list of token ids (int) or a list of chat messages, not "

@@ -77,7 +77,8 @@ async def _errors_and_auth(request: web.Request, handler: Any) -> web.StreamResp
     key = request.app[STATE].cfg.api_key
     if key and request.path not in OPEN_PATHS:
         given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        # aiohttp keeps bytes that are not UTF-8 as surrogates: compared as the bytes sent, never an error
+        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), f"Bearer {key}".encode()):
             return _error(401, "invalid or missing API key (Authorization: Bearer <key>)", "invalid_api_key")
     try:
         return await handler(request)
