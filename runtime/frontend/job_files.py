@@ -322,7 +322,7 @@ def _load_json(line: str, line_no: int) -> tuple[Any, str | None]:
         reason = exc.msg.removesuffix(" at")
         return None, f"line {line_no} is not valid JSON: {reason} at column {exc.colno}"
     except (ValueError, RecursionError) as exc:  # an integer over 4,300 digits, or nesting deeper than the stack
-        return None, f"line {line_no} cannot be read: {str(exc).splitlines()[0][:200]}"
+        return None, f"line {line_no} cannot be read: {first_line(exc)[:200]}"
 
 
 _NATIVE_KEYS = ("id", "prompt", "messages", "sampling")
@@ -403,17 +403,18 @@ def whole_lines(path: Path, repair: bool = False) -> Iterator[bytes]:
     last line from a killed writer is left out (with ``repair``, cut at once, before the first line is read)."""
     if not path.exists():
         return iter(())
-    size = path.stat().st_size
-    end = _last_newline_end(path, size)
-    tail_is_whole = end < size and _is_object(_read_range(path, end, size))  # only its newline missing (an edit)
-    if repair and end < size:
+    with open(path, "rb") as f:
+        end = _after_last_newline(f)
+        tail = f.read()
+    newline_missing = bool(tail) and _is_object(tail)  # a whole last line, only its newline missing (an edit)
+    if repair and tail:
         with open(path, "r+b") as f:
-            if tail_is_whole:
-                f.seek(size)
+            if newline_missing:
+                f.seek(0, os.SEEK_END)
                 f.write(b"\n")
             else:
                 f.truncate(end)
-    return _lines(path, size if tail_is_whole else end)
+    return _lines(path, end + len(tail) if newline_missing else end)
 
 
 def _lines(path: Path, end: int) -> Iterator[bytes]:
@@ -423,27 +424,23 @@ def _lines(path: Path, end: int) -> Iterator[bytes]:
             if done >= end:
                 return
             done += len(line)
-            yield line[:-1] if line.endswith(b"\n") else line
+            yield line.removesuffix(b"\n")
 
 
-def _last_newline_end(path: Path, size: int, chunk: int = 1 << 16) -> int:
-    """The offset just past the last newline of ``path`` (0 if it has none), reading it from its end."""
-    with open(path, "rb") as f:
-        stop = size
-        while stop > 0:
-            start = max(0, stop - chunk)
-            f.seek(start)
-            found = f.read(stop - start).rfind(b"\n")
-            if found >= 0:
-                return start + found + 1
-            stop = start
-    return 0
-
-
-def _read_range(path: Path, start: int, stop: int) -> bytes:
-    with open(path, "rb") as f:
+def _after_last_newline(f: Any, chunk: int = 1 << 16) -> int:
+    """The offset just past the last newline of the open file ``f`` (0 if it has none), searched from its end;
+    ``f`` is left there."""
+    stop = os.fstat(f.fileno()).st_size
+    while stop > 0:
+        start = max(0, stop - chunk)
         f.seek(start)
-        return f.read(stop - start)
+        found = f.read(stop - start).rfind(b"\n")
+        if found >= 0:
+            f.seek(start + found + 1)
+            return start + found + 1
+        stop = start
+    f.seek(0)
+    return 0
 
 
 def _is_object(line: bytes) -> bool:
@@ -649,6 +646,11 @@ def _iso_duration(nanos: int) -> str:
     seconds, nanos = divmod(nanos, 10**9)
     second_text = f"{seconds}.{nanos:09d}".rstrip("0").rstrip(".")
     return f"{sign}P{days}DT{hours}H{minutes}M{second_text}S"
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's message (pyarrow's run on with context), or its type when it has none."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def finite_values(value: Any) -> Any:

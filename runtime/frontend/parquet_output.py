@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from runtime.config import ConfigError
-from runtime.frontend.job_files import normalize_id, part_files, sync_dir
+from runtime.frontend.job_files import first_line, normalize_id, part_files, sync_dir
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class ParquetSink:
             except (pa.ArrowException, OverflowError) as exc:
                 shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
                 raise ValueError(f"the Parquet output's column {field.name!r} ({field.type}) cannot hold {shown} "
-                                 f"({str(exc).splitlines()[0]}); write this row to a JSONL output") from None
+                                 f"({first_line(exc)}); write this row to a JSONL output") from None
 
     def tick(self) -> None:
         """Flush rows that have waited job.fsync_every_s, whether or not another row finishes: a kill loses
@@ -162,7 +162,7 @@ def _readable(output: Path, repair: bool = True) -> Iterator[tuple[Path, pq.Parq
             yield f, pq.ParquetFile(f)
         except (pa.ArrowException, OSError) as exc:
             if f == output:
-                raise ConfigError(f"job.output={output} is not readable Parquet ({_first_line(exc)}): move it away, "
+                raise ConfigError(f"job.output={output} is not readable Parquet ({first_line(exc)}): move it away, "
                                   "or use another job.output") from None
             if not repair:
                 continue
@@ -178,10 +178,6 @@ def _free_name(path: Path) -> Path:
         n += 1
         candidate = path.with_name(f"{path.name}.{n}")
     return candidate
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def _sources(output: Path) -> list[Path]:

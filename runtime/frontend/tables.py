@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
-from runtime.frontend.job_files import PARQUET_SUFFIXES, InputError, JobRow, normalize_id, shard_name
+from runtime.frontend.job_files import PARQUET_SUFFIXES, InputError, JobRow, first_line, normalize_id, shard_name
 from runtime.sampling_params import SamplingParams
 
 BATCH_ROWS = 4096
@@ -125,7 +125,7 @@ class TableInput:
                                        promote_options="permissive")
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
             raise InputError(f"job.input={self.path}: the files of this input give a kept column types no one type "
-                             f"holds ({_first_line(exc)}); give it one type in every file") from None
+                             f"holds ({first_line(exc)}); give it one type in every file") from None
         return list(unified)
 
     def _files(self) -> list[Path]:
@@ -154,7 +154,7 @@ class TableInput:
                              f"0x{exc.object[exc.start]:02x}); save the file as UTF-8") from None
         except (pa.ArrowException, OSError) as exc:
             raise InputError(f"job.input={file} is not a readable {_KIND_NAMES[self.kind]} file: "
-                             f"{_first_line(exc)}") from None
+                             f"{first_line(exc)}") from None
 
     @property
     def _tsv(self) -> bool:
@@ -189,7 +189,7 @@ class TableInput:
             for _ in pa_csv.open_csv(self.path, parse_options=self._csv_parse(), convert_options=convert):
                 pass
         except pa.ArrowException as exc:
-            raise InputError(f"job.input={self.path} cannot be read as {_KIND_NAMES[self.kind]}: {_first_line(exc)}; "
+            raise InputError(f"job.input={self.path} cannot be read as {_KIND_NAMES[self.kind]}: {first_line(exc)}; "
                              "every row needs as many fields as the header") from None
 
     @staticmethod
@@ -239,7 +239,7 @@ class TableInput:
                 yield from self._file_batches(file, wanted)
             except (pa.ArrowException, OSError) as exc:
                 raise InputError(f"job.input={file} cannot be read as {_KIND_NAMES[self.kind]}: "
-                                 f"{_first_line(exc)}") from None
+                                 f"{first_line(exc)}") from None
 
     def _file_batches(self, file: Path, wanted: list[str]) -> Iterator[pa.RecordBatch]:
         if self.kind == "parquet":
@@ -377,10 +377,6 @@ def _messages(value: Any) -> list[dict[str, Any]]:
 
 def _kind(value: Any) -> str:
     return "null" if value is None else type(value).__name__
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 _KIND_NAMES = {"parquet": "Parquet", "csv": "CSV", "arrow": "Arrow IPC", "datasets": "datasets save_to_disk Arrow"}
