@@ -13,7 +13,7 @@ from runtime.sampling_params import SamplingParams
 
 
 class TokenLogprob(TypedDict):
-    """One token's logprob under the model's distribution (before temperature / top-k / top-p), JSON-ready."""
+    """One token's logprob under the model's distribution (before penalties, temperature, top-k, top-p, min-p)."""
 
     token_id: int
     logprob: float
@@ -62,6 +62,7 @@ class Req:
     stop_token_hidden: bool = False  # it ended on an EOS or one of ``stop_token_ids``: not in the text (as vLLM)
     detok: Any = None
     sampling_row: tuple = ()
+    logit_row: tuple = ()  # (min_p, presence, frequency, repetition penalty), rows with ``adjusts_logits`` only
     sample_index: int = 0
     leader: Req | None = None  # sample 0: siblings wait for its prompt KV in the prefix cache
     prompt_cached: bool = False
@@ -82,12 +83,19 @@ class Req:
         temperature = 0.0 if p.is_greedy else p.temperature
         top_k = p.top_k if 0 < p.top_k < 2**31 else -1
         self.sampling_row = (temperature, top_k, p.top_p, seed)
+        self.logit_row = (0.0 if temperature == 0 else p.min_p, p.presence_penalty, p.frequency_penalty,
+                          p.repetition_penalty)
         prompt_k = p.prompt_logprobs if self.sample_index == 0 and p.prompt_logprobs is not None else -1
         self.logprob_ks = (-1 if p.logprobs is None else p.logprobs, prompt_k)
         if p.logprobs is not None:
             self.output_logprobs, self.cumulative_logprob = [], 0.0
         if prompt_k >= 0:
             self.prompt_logprobs = [None]
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Its logits change before sampling (min_p or a penalty): batches then carry those parameters."""
+        return self.logit_row[0] > 0 or self.sampling.penalizes
 
     @property
     def wants_logprobs(self) -> bool:
@@ -156,6 +164,12 @@ class Batch:
     # Per row k (-1: off); None when no row asks
     logprobs: np.ndarray | None = None
     prompt_logprobs: np.ndarray | None = None
+    # Per row float32 (0, 0, 0, 1: off) and int32 prompt lengths; None when no row adjusts its logits
+    min_p: np.ndarray | None = None
+    presence_penalty: np.ndarray | None = None
+    frequency_penalty: np.ndarray | None = None
+    repetition_penalty: np.ndarray | None = None
+    prompt_lens: np.ndarray | None = None
     reqs: list[Req] = field(default_factory=list)  # rank 0 only
     padded_size: int = 0
     input_ids: torch.Tensor | None = None

@@ -14,12 +14,19 @@ _INT_FIELDS = ("rows", "starts", "ext_lens", "sample_rows", "top_k", "seeds")
 _FLOAT_FIELDS = ("temperature", "top_p")
 _ADMIT_FIELDS = ("admit_rows", "admit_token_lens", "admit_tokens", "admit_page_lens", "admit_pages")
 # Per-row arrays that only some steps carry; header[5] has bit i set when _OPTIONAL_FIELDS[i] travels.
-_OPTIONAL_FIELDS = ("logprobs", "prompt_logprobs")
+_OPTIONAL_FIELDS = ("logprobs", "prompt_logprobs", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "prompt_lens")
+_OPTIONAL_FLOATS = frozenset(("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"))
 
 
 def _broadcast(t: torch.Tensor) -> torch.Tensor:
     dist.broadcast(t, group_src=0, group=get_cpu_group())
     return t
+
+
+def _float_bits(values: np.ndarray) -> np.ndarray:
+    """float32 values as their bits in int64, so they travel exactly in the one int64 payload."""
+    return values.astype(np.float32).view(np.int32).astype(np.int64)
 
 
 def send_batch(batch: Batch | None, stop: bool = False) -> None:
@@ -33,9 +40,10 @@ def send_batch(batch: Batch | None, stop: bool = False) -> None:
     header = [PREFILL if batch.phase == "prefill" else DECODE, batch.size, len(admit[0]), len(admit[2]), len(admit[4]),
               flags]
     parts = [getattr(batch, f).astype(np.int64) for f in _INT_FIELDS]
-    parts += [getattr(batch, f).astype(np.float32).view(np.int32).astype(np.int64) for f in _FLOAT_FIELDS]
+    parts += [_float_bits(getattr(batch, f)) for f in _FLOAT_FIELDS]
     parts += [a.astype(np.int64) for a in admit]
-    parts += [a.astype(np.int64) for a in optional if a is not None]
+    parts += [_float_bits(a) if f in _OPTIONAL_FLOATS else a.astype(np.int64)
+              for f, a in zip(_OPTIONAL_FIELDS, optional) if a is not None]
     _broadcast(torch.tensor(header, dtype=torch.int64))
     _broadcast(torch.from_numpy(np.concatenate(parts)))
 
@@ -59,5 +67,5 @@ def recv_batch() -> Batch | int:
     for name, arr in zip(_ADMIT_FIELDS, arrays[len(_INT_FIELDS) + len(_FLOAT_FIELDS) :]):
         values[name] = arr.astype(np.int32)
     for name, arr in zip(optional, arrays[len(sizes) - len(optional) :]):
-        values[name] = arr.astype(np.int32)
+        values[name] = arr.astype(np.int32).view(np.float32) if name in _OPTIONAL_FLOATS else arr.astype(np.int32)
     return Batch(phase="prefill" if kind == PREFILL else "decode", **values)

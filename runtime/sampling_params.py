@@ -16,6 +16,10 @@ GREEDY_TEMPERATURE = 1e-5
 # Well inside float32: near 8.5e37 1/t stops being a normal float32 and flushes to 0, and a -inf logit times 0
 # is NaN, which wins the draw. At 1e30 every finite logit is already equally likely.
 MAX_TEMPERATURE = 1e30
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+MAX_PENALTY = 2.0  # OpenAI's bound on presence and frequency penalties
+# Far past any useful value (transformers suggests about 1.2), either way; logit / penalty stays a normal float32.
+MAX_REPETITION_PENALTY = 1e6
 _INT_FIELDS = ("top_k", "max_new_tokens", "seed", "logprobs", "prompt_logprobs", "n")
 
 
@@ -24,6 +28,13 @@ class SamplingParams:
     temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE) means greedy
     top_k: int = -1  # -1 (or 0) keeps the whole vocabulary
     top_p: float = 1.0
+    min_p: float = 0.0  # keeps tokens at least this fraction as likely as the likeliest; 0 keeps all
+    # Penalties on logits (greedy rows too): presence and frequency subtract from tokens already generated (once,
+    # and per occurrence, as OpenAI); repetition divides positive logits (multiplies negative ones) of tokens in
+    # the prompt or the output (as transformers). The neutral values leave the logits untouched.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     max_new_tokens: int = 256
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -35,6 +46,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @property
+    def penalizes(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def is_greedy(self) -> bool:
@@ -52,7 +67,7 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and not isinstance(value, (int, bool)):
                 setattr(self, name, int(value))
-        for name in ("temperature", "top_p"):
+        for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, numbers.Real) and not isinstance(value, (int, float, bool)):
                 setattr(self, name, float(value))
@@ -75,6 +90,14 @@ class SamplingParams:
             raise bad("top_k", "must be an integer >= 1, or -1/0 to disable")
         if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be a number in (0, 1]")
+        if not is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be a number in [0, 1] (0 disables)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not is_number(getattr(self, name)) or not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise bad(name, f"must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 disables)")
+        low, high = 1 / MAX_REPETITION_PENALTY, MAX_REPETITION_PENALTY
+        if not is_number(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
+            raise bad("repetition_penalty", f"must be a number in [{low:g}, {high:g}] (1 disables)")
         if not is_int(self.max_new_tokens) or self.max_new_tokens <= 0:
             raise bad("max_new_tokens", "must be an integer > 0")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):

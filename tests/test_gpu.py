@@ -337,6 +337,65 @@ def test_gpu_sampling_kernel_equals_the_torch_reference_and_ignores_the_batch():
     assert torch.equal(gumbel.sample(logits, temps, thresholds, top_p, seeds, positions), tokens)
 
 
+def test_gpu_sampler_kernels_with_penalties_and_min_p_equal_the_torch_path():
+    """On the device: penalties read the device token pool, min_p joins the kernels' thresholds, and the Triton
+    sampler draws what the torch path draws from the same penalised logits."""
+    import numpy as np
+
+    from runtime.engine.sampler import Sampler
+    from tests.test_penalties import _batch
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows, vocab = 64, 128256
+    pool = torch.randint(0, 64, (rows, 300), device="cuda", generator=gen, dtype=torch.int32)  # many repeats
+    logits = torch.randn(rows, vocab, device="cuda", generator=gen).bfloat16()
+    logits[:, :64] += 4  # the repeated tokens are the likely ones, so penalties decide draws
+    pick = np.arange(rows)
+    params = {"presence_penalty": np.where(pick % 2 == 0, 1.0, 0.0), "frequency_penalty": np.where(pick % 3 == 0, 0.5, 0),
+              "repetition_penalty": np.where(pick % 4 == 1, 1.3, 1.0), "min_p": np.where(pick % 5 < 3, 0.2, 0.0)}
+    kv_lens = list(range(100, 100 + rows * 3, 3))
+    batch = _batch(list(range(rows)), kv_lens, [50] * rows, **{k: v.tolist() for k, v in params.items()})
+    batch.temperature = np.where(pick < 8, 0.0, 1.2).astype(np.float32)
+    kernels = Sampler(vocab, torch.device("cuda"), use_kernels=True, token_pool=pool)
+    torch_path = Sampler(vocab, torch.device("cuda"), use_kernels=False, token_pool=pool)
+    assert kernels.kernels is not None
+    drawn = kernels.sample(logits, kernels.prepare(batch))
+    reference = torch_path.sample(logits, torch_path.prepare(batch))
+    assert (drawn == reference).float().mean().item() >= 0.98
+    plain = torch_path.sample(logits, torch_path.prepare(_batch(list(range(rows)), kv_lens, [50] * rows, 1.2)))
+    assert (plain != reference).sum().item() >= rows // 4  # the penalties and min_p changed the draws
+
+
+def test_gpu_penalties_and_min_p_in_graph_decode_against_the_models_own_logprobs():
+    """CUDA graphs and overlap scheduling: each greedy token under presence and frequency penalties is the best of
+    the step's logprobs less the penalties of the output before it (float64, over the top 20: the logprobs share
+    the logits' per-row shift), a plain greedy row of the same prompt takes the top logprob, and every token drawn
+    with min_p is at least min_p times as likely as the likeliest."""
+    import math
+    from collections import Counter
+
+    llm = LLM(str(SMOL), overrides=[*COMMON, "scheduler.overlap=true"])
+    assert llm.engine.graph_runner is not None
+    presence, frequency, min_p, temperature = 0.8, 0.6, 0.2, 1.5
+    prompts = [list(range(100, 140)), list(range(7, 300, 9))]
+    penalised = SamplingParams(temperature=0, max_new_tokens=40, logprobs=20, presence_penalty=presence,
+                               frequency_penalty=frequency)
+    plain = SamplingParams(temperature=0, max_new_tokens=40, logprobs=20)
+    sampled = SamplingParams(temperature=temperature, min_p=min_p, max_new_tokens=40, logprobs=1, seed=3)
+    outs = llm.generate(prompts * 3, [penalised] * 2 + [plain] * 2 + [sampled] * 2)
+    for out in outs[:2]:
+        for t, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+            counts = Counter(out.token_ids[:t])
+            scores = {tok: lp - frequency * counts[tok] - presence * (counts[tok] > 0)
+                      for tok, lp in [*entry["top"], [token, entry["logprob"]]]}
+            assert scores[token] >= max(scores.values()) - 1e-3, (t, token, scores)
+    for out in outs[2:4]:
+        assert all(e["logprob"] >= e["top"][0][1] - 1e-3 for e in out.logprobs)
+    assert outs[0].token_ids != outs[2].token_ids and outs[1].token_ids != outs[3].token_ids
+    ratios = [(e["logprob"] - e["top"][0][1]) / temperature for out in outs[4:] for e in out.logprobs]
+    assert len(ratios) > 40 and min(ratios) >= math.log(min_p) - 1e-3
+
+
 def test_gpu_top_p_walk_ends_on_rows_of_nan_or_infinite_logits():
     """Compiled, the top-p walk over rows of NaN, one NaN, one +inf and all -inf logits ends with tokens inside the
     vocabulary (it once spun forever on a NaN row, holding the GPU)."""

@@ -152,7 +152,7 @@ class Engine:
             model_config.head_dim, self.dtype, cfg.engine.deterministic,
         )
         self.ctx = ForwardContext(self.attn_backend)
-        self.sampler = Sampler(model_config.vocab_size, self.device, use_kernels=on_gpu)
+        self.sampler = Sampler(model_config.vocab_size, self.device, use_kernels=on_gpu, token_pool=self.token_pool)
         self._setup_collectives_and_graphs()
 
     def _invariant_linear(self, on_gpu: bool):  # noqa: ANN202 - a linear function

@@ -9,9 +9,10 @@ import numpy as np
 import torch
 
 from runtime.batch import Batch
+from runtime.engine.penalties import Penalties, apply_penalties, min_p_offsets, prepare_penalties
 from runtime.utils import host_to_device
 
-MIN_P = 1e-6  # a top_p of 0 would keep nothing
+SMALLEST_TOP_P = 1e-6  # a top_p of 0 would keep nothing
 _MASK32 = 0xFFFFFFFF
 
 
@@ -24,6 +25,8 @@ class SamplingArgs:
     seeds: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     top_p_values: torch.Tensor | None = None  # every row's top-p, 1.0 where unused (the kernels read it always)
+    min_p_offsets: torch.Tensor | None = None  # per row T * ln(min_p), -inf where off; None: no row uses min_p
+    penalties: Penalties | None = None
 
 
 def _lowbias32(x: torch.Tensor) -> torch.Tensor:
@@ -55,6 +58,15 @@ def top_k_thresholds(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> t
     return torch.where(top_k > 0, kth, float("-inf"))
 
 
+def thresholds_with_min_p(x: torch.Tensor, thresholds: torch.Tensor | None,
+                          offsets: torch.Tensor | None) -> torch.Tensor | None:
+    """Top-k thresholds raised to each row's min_p threshold (its largest logit plus ``offsets``)."""
+    if offsets is None:
+        return thresholds
+    min_p = x.max(dim=-1).values.float() + offsets
+    return min_p if thresholds is None else torch.maximum(thresholds, min_p)
+
+
 def kept_tokens(x: torch.Tensor, inv_t: torch.Tensor, thresholds: torch.Tensor | None,
                 top_p: torch.Tensor | None) -> torch.Tensor:
     """Bool ``[rows, vocab]``: the top-k tokens, then their nucleus; tied tokens stay or go together."""
@@ -81,6 +93,7 @@ def sample_torch(logits: torch.Tensor, args: SamplingArgs) -> torch.Tensor:
     greedy = args.temperatures <= 0
     inv_t = 1.0 / torch.where(greedy, 1.0, args.temperatures)
     thresholds = top_k_thresholds(x, args.top_k, args.max_k) if args.top_k is not None else None
+    thresholds = thresholds_with_min_p(x, thresholds, args.min_p_offsets)
     keep = kept_tokens(x, inv_t, thresholds, args.top_p)
     noise = -torch.log(-torch.log(counter_uniform(args.seeds, args.positions, x.shape[-1])))
     score = torch.where(keep, x * inv_t[:, None] + noise, float("-inf"))
@@ -88,8 +101,10 @@ def sample_torch(logits: torch.Tensor, args: SamplingArgs) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device, use_kernels: bool) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, use_kernels: bool,
+                 token_pool: torch.Tensor | None = None) -> None:
         self.vocab_size = vocab_size
+        self.token_pool = token_pool  # penalties count the tokens here
         self.device = device
         self.kernels = None
         if use_kernels:
@@ -99,30 +114,36 @@ class Sampler:
         self._no_thresholds = torch.empty(0)  # -inf per row, grown as batches grow: no fill kernel a step
 
     def prepare(self, batch: Batch) -> SamplingArgs:
+        penalties = prepare_penalties(batch, self.device)
         if batch.all_greedy:
-            return SamplingArgs(temperatures=None)
+            return SamplingArgs(temperatures=None, penalties=penalties)
         temps = batch.temperature.astype(np.float32)
         sampled = temps > 0
         top_k = np.where(sampled & (batch.top_k > 0) & (batch.top_k < self.vocab_size), batch.top_k, 0)
-        top_p = np.where(sampled, np.clip(batch.top_p, MIN_P, 1.0), 1.0).astype(np.float32)
-        floats = host_to_device(np.concatenate((temps, top_p)), self.device).view(2, -1)
+        top_p = np.where(sampled, np.clip(batch.top_p, SMALLEST_TOP_P, 1.0), 1.0).astype(np.float32)
+        offsets = min_p_offsets(batch, temps)
+        floats = host_to_device(np.concatenate((temps, top_p, *(() if offsets is None else (offsets,)))),
+                                self.device).view(-1, len(temps))
         ints = host_to_device(np.concatenate((batch.seeds, batch.kv_lens, top_k)).astype(np.int64), self.device)
         seeds, positions, top_k_dev = ints.view(3, -1)
         max_k = int(top_k.max())
         return SamplingArgs(
             temperatures=floats[0], top_p=floats[1] if (top_p < 1.0).any() else None, top_p_values=floats[1],
             top_k=top_k_dev if max_k else None, max_k=max_k, seeds=seeds, positions=positions,
+            min_p_offsets=floats[2] if offsets is not None else None, penalties=penalties,
         )
 
     def sample(self, logits: torch.Tensor, args: SamplingArgs) -> torch.Tensor:
+        if args.penalties is not None:
+            logits = apply_penalties(logits, args.penalties, self.token_pool)
         if args.temperatures is None:
             return logits.argmax(dim=-1)
         if self.kernels is None:
             return sample_torch(logits, args)
         n = logits.shape[0]
-        if args.top_k is not None:
-            thresholds = top_k_thresholds(logits, args.top_k, args.max_k)
-        else:
+        thresholds = top_k_thresholds(logits, args.top_k, args.max_k) if args.top_k is not None else None
+        thresholds = thresholds_with_min_p(logits, thresholds, args.min_p_offsets)
+        if thresholds is None:
             if self._no_thresholds.numel() < n:
                 self._no_thresholds = torch.full((max(n, 256),), float("-inf"), device=logits.device)
             thresholds = self._no_thresholds[:n]

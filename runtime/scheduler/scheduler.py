@@ -51,6 +51,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.stats = SchedulerStats()
         self.logprob_reqs = 0  # while 0, batches carry no logprob rows
+        self.adjusting_reqs = 0  # while 0, batches carry no min_p or penalty rows
         self.draining = False
 
     @property
@@ -109,6 +110,7 @@ class Scheduler:
         req.table_idx = self.free_rows.pop()
         self.stats.cached_tokens += req.cached_len
         self.logprob_reqs += req.wants_logprobs
+        self.adjusting_reqs += req.adjusts_logits
         return True
 
     def _schedule_prefill(self) -> Batch | None:
@@ -208,6 +210,10 @@ class Scheduler:
                 batch.logprobs = ks[:, 0].copy()
             if phase == "prefill" and (ks[:, 1] >= 0).any():
                 batch.prompt_logprobs = ks[:, 1].copy()
+        if self.adjusting_reqs and any(r.adjusts_logits for r in reqs):
+            columns = np.array([r.logit_row for r in reqs], np.float32).T
+            batch.min_p, batch.presence_penalty, batch.frequency_penalty, batch.repetition_penalty = columns.copy()
+            batch.prompt_lens = np.array([r.prompt_len for r in reqs], np.int32)
         return batch
 
     def finish(self, req: Req) -> None:
@@ -244,6 +250,7 @@ class Scheduler:
     def _release(self, req: Req) -> None:
         self.pages.release(req)
         self.logprob_reqs -= req.wants_logprobs
+        self.adjusting_reqs -= req.adjusts_logits
         self.free_rows.append(req.table_idx)
         req.table_idx = -1
 
