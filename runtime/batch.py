@@ -63,6 +63,7 @@ class Req:
     detok: Any = None
     sampling_row: tuple = ()
     logit_row: tuple = ()  # (min_p, presence, frequency, repetition penalty), rows with ``adjusts_logits`` only
+    logit_bias: tuple[np.ndarray, np.ndarray] | None = None  # (int32 token ids, float32 biases), made once
     sample_index: int = 0
     leader: Req | None = None  # sample 0: siblings wait for its prompt KV in the prefix cache
     prompt_cached: bool = False
@@ -85,6 +86,9 @@ class Req:
         self.sampling_row = (temperature, top_k, p.top_p, seed)
         self.logit_row = (0.0 if temperature == 0 else p.min_p, p.presence_penalty, p.frequency_penalty,
                           p.repetition_penalty)
+        if p.logit_bias:
+            self.logit_bias = (np.fromiter(p.logit_bias.keys(), np.int32, len(p.logit_bias)),
+                               np.fromiter(p.logit_bias.values(), np.float32, len(p.logit_bias)))
         prompt_k = p.prompt_logprobs if self.sample_index == 0 and p.prompt_logprobs is not None else -1
         self.logprob_ks = (-1 if p.logprobs is None else p.logprobs, prompt_k)
         if p.logprobs is not None:
@@ -94,8 +98,8 @@ class Req:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Its logits change before sampling (min_p or a penalty): batches then carry those parameters."""
-        return self.logit_row[0] > 0 or self.sampling.penalizes
+        """Its logits change before sampling (min_p, a penalty, a logit bias): batches then carry those."""
+        return self.logit_row[0] > 0 or self.sampling.adjusts_logits
 
     @property
     def wants_logprobs(self) -> bool:
@@ -170,6 +174,10 @@ class Batch:
     frequency_penalty: np.ndarray | None = None
     repetition_penalty: np.ndarray | None = None
     prompt_lens: np.ndarray | None = None
+    # Logit biases: int32 entries per row, then every row's int32 token ids and float32 biases; None when none
+    bias_counts: np.ndarray | None = None
+    bias_tokens: np.ndarray | None = None
+    bias_values: np.ndarray | None = None
     reqs: list[Req] = field(default_factory=list)  # rank 0 only
     padded_size: int = 0
     input_ids: torch.Tensor | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -18,6 +19,7 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 1e30
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 MAX_PENALTY = 2.0  # OpenAI's bound on presence and frequency penalties
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: -100 bans a token, 100 all but forces it
 # Far past any useful value (transformers suggests about 1.2), either way; logit / penalty stays a normal float32.
 MAX_REPETITION_PENALTY = 1e6
 _INT_FIELDS = ("top_k", "max_new_tokens", "seed", "logprobs", "prompt_logprobs", "n")
@@ -35,6 +37,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, before penalties
     max_new_tokens: int = 256
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -48,8 +51,10 @@ class SamplingParams:
         self.validate()
 
     @property
-    def penalizes(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+    def adjusts_logits(self) -> bool:
+        """A penalty or a logit bias changes this request's logits before it samples."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or bool(self.logit_bias))
 
     @property
     def is_greedy(self) -> bool:
@@ -77,6 +82,8 @@ class SamplingParams:
 
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"sampling parameter {name}={getattr(self, name)!r} {why}")
+
+        self.logit_bias = _token_biases(self.logit_bias, bad)
 
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
@@ -125,3 +132,24 @@ class SamplingParams:
         merged = {f.name: getattr(base, f.name) for f in fields(cls)} if base else {}
         merged.update(values)
         return cls(**merged)
+
+
+def _token_biases(biases: object, bad: Callable[[str, str], ValueError]) -> dict[int, float]:
+    """``logit_bias`` with int keys and float values: JSON writes token ids as strings ("50256")."""
+    why = (f"must map token ids (integers, or their decimal strings as JSON writes them) to numbers in "
+           f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+    if not isinstance(biases, Mapping):
+        raise bad("logit_bias", why)
+    out: dict[int, float] = {}
+    for key, value in biases.items():
+        if isinstance(key, str) and key.isascii() and key.isdigit():
+            key = int(key)
+        if not isinstance(key, numbers.Integral) or isinstance(key, bool) or key < 0:
+            raise bad("logit_bias", why)
+        if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) \
+                or abs(value) > MAX_LOGIT_BIAS:
+            raise bad("logit_bias", why)
+        if int(key) in out:
+            raise bad("logit_bias", f"names token {int(key)} twice")
+        out[int(key)] = float(value)
+    return out

@@ -338,8 +338,8 @@ def test_gpu_sampling_kernel_equals_the_torch_reference_and_ignores_the_batch():
 
 
 def test_gpu_sampler_kernels_with_penalties_and_min_p_equal_the_torch_path():
-    """On the device: penalties read the device token pool, min_p joins the kernels' thresholds, and the Triton
-    sampler draws what the torch path draws from the same penalised logits."""
+    """On the device: logit biases, penalties read from the device token pool, min_p joined to the kernels'
+    thresholds; the Triton sampler draws what the torch path draws from the same adjusted logits."""
     import numpy as np
 
     from runtime.engine.sampler import Sampler
@@ -354,7 +354,9 @@ def test_gpu_sampler_kernels_with_penalties_and_min_p_equal_the_torch_path():
     params = {"presence_penalty": np.where(pick % 2 == 0, 1.0, 0.0), "frequency_penalty": np.where(pick % 3 == 0, 0.5, 0),
               "repetition_penalty": np.where(pick % 4 == 1, 1.3, 1.0), "min_p": np.where(pick % 5 < 3, 0.2, 0.0)}
     kv_lens = list(range(100, 100 + rows * 3, 3))
-    batch = _batch(list(range(rows)), kv_lens, [50] * rows, **{k: v.tolist() for k, v in params.items()})
+    biases = [{5: 3.0, int(logits[i].float().argmax()): -100.0} if i % 7 == 0 else {} for i in range(rows)]
+    batch = _batch(list(range(rows)), kv_lens, [50] * rows, logit_bias=biases,
+                   **{k: v.tolist() for k, v in params.items()})
     batch.temperature = np.where(pick < 8, 0.0, 1.2).astype(np.float32)
     kernels = Sampler(vocab, torch.device("cuda"), use_kernels=True, token_pool=pool)
     torch_path = Sampler(vocab, torch.device("cuda"), use_kernels=False, token_pool=pool)

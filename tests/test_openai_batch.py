@@ -136,7 +136,8 @@ def test_openai_ranges_of_seed_and_top_p_map_onto_ours():
 @pytest.mark.parametrize(("url", "body", "message"), [
     (COMPLETIONS, {"prompt": "x", "echo": 1}, "echo=1 must be true or false"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, "max_tokens=0 generates nothing: it needs echo=true"),
-    (CHAT, {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"7": 5}}, "logit_bias="),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     "response_format="),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 2.5}, "frequency_penalty=2.5"),
     (COMPLETIONS, {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty=0"),
     (COMPLETIONS, {"prompt": "x", "min_p": 1.5}, "min_p=1.5"),

@@ -86,30 +86,38 @@ def test_out_of_range_values_are_refused_by_name():
                         ("repetition_penalty", 0), ("repetition_penalty", math.inf), ("presence_penalty", True)]:
         with pytest.raises(ValueError, match=f"{name}="):
             SamplingParams(**{name: value})
-    assert not SamplingParams().penalizes and SamplingParams(repetition_penalty=1.1).penalizes
+    assert not SamplingParams().adjusts_logits and SamplingParams(repetition_penalty=1.1).adjusts_logits
+    assert SamplingParams(logit_bias={"5": 1}).logit_bias == {5: 1.0} and SamplingParams(logit_bias={5: 1}).adjusts_logits
+    for bias in [{"x": 1}, {-1: 1}, {"5": 101}, {5: math.nan}, {5: True}, {True: 1}, {"5": 1, 5: 2}, [5]]:
+        with pytest.raises(ValueError, match="logit_bias="):
+            SamplingParams(logit_bias=bias)
 
 
 def test_openai_bodies_pass_penalties_and_min_p():
-    from runtime.frontend.openai_api import parse_request
+    from runtime.frontend.openai_api import RequestError, parse_request
 
     body = {"prompt": "a", "presence_penalty": 0.5, "frequency_penalty": -0.25, "min_p": 0.1,
-            "repetition_penalty": 1.1, "temperature": 0.8}
+            "repetition_penalty": 1.1, "temperature": 0.8, "logit_bias": {"50256": -100, "13": 2}}
     _, sampling, _ = parse_request("/v1/completions", body, SamplingParams())
-    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.min_p, sampling.repetition_penalty) \
-        == (0.5, -0.25, 0.1, 1.1)
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.min_p, sampling.repetition_penalty,
+            sampling.logit_bias) == (0.5, -0.25, 0.1, 1.1, {50256: -100.0, 13: 2.0})
+    with pytest.raises(RequestError, match="logit_bias=") as caught:
+        parse_request("/v1/completions", {"prompt": "a", "logit_bias": {"13": 200}}, SamplingParams())
+    assert caught.value.param == "logit_bias"
 
 
 MAX_NEW = 24
 PROMPTS = ["Write a list of fruits.", "Name three colors.", "Repeat after me: la la la la la la",
-           "Write a short poem about autumn."]
+           "Write a short poem about autumn.", "Count from one to five."]
 PENALTIES = [dict(repetition_penalty=1.3), {}, dict(presence_penalty=0.8, frequency_penalty=0.6),
-             dict(repetition_penalty=1.15, frequency_penalty=0.5)]
+             dict(repetition_penalty=1.15, frequency_penalty=0.5), dict(repetition_penalty=1.1)]
 
 
 @pytest.mark.slow
 def test_greedy_with_penalties_matches_hf_generate(default_model_dir):
     """Penalised greedy rows, batched with a plain one, against HF ``generate`` of each prompt alone: repetition
-    by transformers' own processor, presence and frequency by a float64 processor of OpenAI's definition."""
+    and logit biases by transformers' own processors (``sequence_bias`` of single tokens), presence and frequency
+    by a float64 processor of OpenAI's definition."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
     class PresenceFrequency(LogitsProcessor):
@@ -124,10 +132,14 @@ def test_greedy_with_penalties_matches_hf_generate(default_model_dir):
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
     messages = [[{"role": "user", "content": p}] for p in PROMPTS]
     llm = LLM(str(default_model_dir), overrides=["engine.device=cpu"])
-    outs = llm.generate(messages, [SamplingParams(temperature=0, max_new_tokens=MAX_NEW, **p) for p in PENALTIES])
     plain = llm.generate(messages, SamplingParams(temperature=0, max_new_tokens=MAX_NEW))
+    banned = plain[4].token_ids[0]  # ban the first token, favour a later one
+    favoured = next(t for t in plain[4].token_ids[3:] if t != banned)
+    penalties_of = [*PENALTIES[:4], {**PENALTIES[4], "logit_bias": {banned: -100.0, favoured: 3.0}}]
+    outs = llm.generate(messages, [SamplingParams(temperature=0, max_new_tokens=MAX_NEW, **p) for p in penalties_of])
+    assert outs[4].token_ids[0] != banned
     differs = 0
-    for msgs, penalties, out, unpenalised in zip(messages, PENALTIES, outs, plain):
+    for msgs, penalties, out, unpenalised in zip(messages, penalties_of, outs, plain):
         ids = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
                          add_special_tokens=False, return_tensors="pt")
         processors = LogitsProcessorList()
@@ -135,12 +147,14 @@ def test_greedy_with_penalties_matches_hf_generate(default_model_dir):
             processors.append(PresenceFrequency(ids.shape[1], penalties.get("presence_penalty", 0.0),
                                                 penalties.get("frequency_penalty", 0.0)))
         with torch.no_grad():
+            biases = {(token,): bias for token, bias in penalties.get("logit_bias", {}).items()}
             ref = hf.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, logits_processor=processors,
-                              repetition_penalty=penalties.get("repetition_penalty", 1.0))
+                              repetition_penalty=penalties.get("repetition_penalty", 1.0),
+                              sequence_bias=biases or None)
         assert out.error is None
         assert out.token_ids == ref[0, ids.shape[1] :].tolist(), penalties
         differs += out.token_ids != unpenalised.token_ids
-    assert differs >= 3  # the penalties changed what every penalised row generated
+    assert differs >= 4  # the penalties and biases changed what the rows generated
 
 
 @pytest.mark.slow
@@ -172,9 +186,14 @@ def _batch(pool_rows: list[int], kv_lens: list[int], prompt_lens: list[int], tem
                   sample_rows=rows, temperature=np.full(n, temperature, np.float32), top_k=np.full(n, -1, np.int32),
                   top_p=np.ones(n, np.float32), seeds=np.arange(n, dtype=np.int64),
                   prompt_lens=np.array(prompt_lens, np.int32))
+    biases = per_row.pop("logit_bias", None)
     neutral = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
     for name, value in neutral.items():
         setattr(batch, name, np.array(per_row.get(name, [value] * n), np.float32))
+    if biases is not None:  # one {token: bias} per row
+        batch.bias_counts = np.array([len(b) for b in biases], np.int32)
+        batch.bias_tokens = np.array([t for b in biases for t in b], np.int32)
+        batch.bias_values = np.array([v for b in biases for v in b.values()], np.float32)
     return batch
 
 
@@ -202,3 +221,31 @@ def test_the_sampler_counts_every_token_in_the_pool_up_to_this_step():
     pool[1, :2] = torch.tensor([30, 4])
     assert sampler.sample(logits[:1], sampler.prepare(_batch([1], [2], [2], presence_penalty=[2.0])))[0] == 30
     assert sampler.sample(logits[:1], sampler.prepare(_batch([1], [2], [2], repetition_penalty=[1.2])))[0] == 31
+
+
+def test_logit_bias_is_added_on_its_own_rows_before_the_penalties():
+    from runtime.engine.penalties import adjusted_logits, prepare_logit_bias, prepare_penalties
+    from runtime.engine.sampler import Sampler
+
+    vocab = 50
+    pool = torch.zeros(3, 8, dtype=torch.int32)
+    pool[0, :4] = torch.tensor([1, 2, 30, 31])  # prompt 1, 2; output 30, 31
+    logits = torch.zeros(3, vocab)
+    logits[:, 30], logits[:, 31], logits[:, 20] = 3.0, 2.9, 2.0
+    sampler = Sampler(vocab, torch.device("cpu"), use_kernels=False, token_pool=pool)
+    biases = [{30: -100.0}, {}, {20: 1.5, 31: -0.5}]
+    batch = _batch([1, 2, 0], [2, 2, 4], [2, 2, 2], logit_bias=biases)
+    assert sampler.sample(logits, sampler.prepare(batch)).tolist() == [31, 30, 20]
+    penalised = _batch([1, 2, 0], [2, 2, 4], [2, 2, 2], logit_bias=biases, repetition_penalty=[1.0, 1.0, 1.5],
+                       presence_penalty=[0.0, 0.0, 0.25])
+    got = adjusted_logits(logits, prepare_logit_bias(penalised, torch.device("cpu")),
+                          prepare_penalties(penalised, torch.device("cpu")), pool)
+    dense = logits.clone()
+    for row, bias in enumerate(biases):
+        for token, value in bias.items():
+            dense[row, token] += value
+    expected = dense.clone()
+    expected[2] = penalize(dense[2:], pool[:1].long(), torch.tensor([4]), torch.tensor([2]), torch.tensor([0.25]),
+                           torch.tensor([0.0]), torch.tensor([1.5]))[0]
+    assert torch.equal(got, expected)
+    assert expected[2, 20] == 3.5 and expected[2, 30] == 3.0 / 1.5 - 0.25  # a biased unseen token, a penalised one

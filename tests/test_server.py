@@ -115,7 +115,7 @@ def test_server_requests_parse_streaming_and_several_prompts_and_refuse_bad_ones
                           ({"prompt": "a", "stream": True, "stream_options": {"include_obfuscation": 1}},
                            "include_obfuscation=1 must be true or false"),
                           ({"prompt": "a", "stream": True, "stream_options": {"chunk_size": 4}}, "are supported"),
-                          ({"prompt": "a", "logit_bias": {"1": 2}}, "logit_bias"),
+                          ({"prompt": "a", "suffix": "b"}, "suffix"),
                           ({"prompt": "a", "echo": "yes"}, "echo="),
                           ({"prompt": "a", "max_tokens": 0}, "needs echo=true"),
                           ([1, 2], "JSON object")]:

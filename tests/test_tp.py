@@ -20,7 +20,8 @@ PARAMS = [
     {"temperature": 1.0, "top_p": 0.9, "seed": 3, "max_new_tokens": 10},
     # unseeded: drawn from (engine.seed, request id); penalties and min_p travel to every rank
     {"temperature": 0.7, "presence_penalty": 0.8, "frequency_penalty": 0.4, "min_p": 0.05, "max_new_tokens": 9},
-    {"temperature": 1.2, "top_k": 50, "top_p": 0.8, "repetition_penalty": 1.3, "max_new_tokens": 12},
+    {"temperature": 1.2, "top_k": 50, "top_p": 0.8, "repetition_penalty": 1.3, "logit_bias": {3: 2.0, 11: -100.0},
+     "max_new_tokens": 12},
 ]
 
 

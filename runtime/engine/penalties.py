@@ -1,5 +1,5 @@
-"""Logit changes before sampling: presence, frequency and repetition penalties, read from the device token pool
-(so the token sampled last step counts without waiting for the host), and min_p as a per-row threshold."""
+"""Logit changes before sampling: logit biases; presence, frequency and repetition penalties, read from the device
+token pool (so the token sampled last step counts without waiting for the host); min_p as a per-row threshold."""
 
 from __future__ import annotations
 
@@ -22,6 +22,21 @@ class Penalties:
     frequency: torch.Tensor
     repetition: torch.Tensor
     max_len: int  # the longest kv_len, known on the host
+
+
+@dataclass
+class LogitBias:
+    rows: torch.Tensor  # int64 [e]: each entry's batch row
+    tokens: torch.Tensor  # int64 [e]
+    values: torch.Tensor  # float32 [e]
+
+
+def prepare_logit_bias(batch: Batch, device: torch.device) -> LogitBias | None:
+    if batch.bias_tokens is None:
+        return None
+    rows = np.repeat(np.arange(batch.size), batch.bias_counts)
+    ints = host_to_device(np.concatenate((rows, batch.bias_tokens)).astype(np.int64), device).view(2, -1)
+    return LogitBias(*ints, host_to_device(batch.bias_values.astype(np.float32), device))
 
 
 def prepare_penalties(batch: Batch, device: torch.device) -> Penalties | None:
@@ -57,13 +72,17 @@ def penalize(logits: torch.Tensor, tokens: torch.Tensor, kv_lens: torch.Tensor, 
     return x - frequency[:, None] * counts - presence[:, None] * (counts > 0)
 
 
-def apply_penalties(logits: torch.Tensor, penalties: Penalties, token_pool: torch.Tensor) -> torch.Tensor:
-    """A float32 copy of ``logits`` with the penalising rows changed; ``logits`` stays as it was (logprobs read
-    it: they describe the model's distribution)."""
+def adjusted_logits(logits: torch.Tensor, bias: LogitBias | None, penalties: Penalties | None,
+                    token_pool: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of ``logits`` with the biases added, then the penalties applied (vLLM's order); ``logits``
+    stays as it was (logprobs read it: they describe the model's distribution)."""
     out = logits.to(torch.float32, copy=True)
-    p = penalties
-    tokens = token_pool[p.pool_rows, : p.max_len].long()
-    out[p.rows] = penalize(out[p.rows], tokens, p.kv_lens, p.prompt_lens, p.presence, p.frequency, p.repetition)
+    if bias is not None:
+        out.index_put_((bias.rows, bias.tokens), bias.values, accumulate=True)
+    if penalties is not None:
+        p = penalties
+        tokens = token_pool[p.pool_rows, : p.max_len].long()
+        out[p.rows] = penalize(out[p.rows], tokens, p.kv_lens, p.prompt_lens, p.presence, p.frequency, p.repetition)
     return out
 
 

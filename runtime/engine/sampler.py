@@ -9,7 +9,14 @@ import numpy as np
 import torch
 
 from runtime.batch import Batch
-from runtime.engine.penalties import Penalties, apply_penalties, min_p_offsets, prepare_penalties
+from runtime.engine.penalties import (
+    LogitBias,
+    Penalties,
+    adjusted_logits,
+    min_p_offsets,
+    prepare_logit_bias,
+    prepare_penalties,
+)
 from runtime.utils import host_to_device
 
 SMALLEST_TOP_P = 1e-6  # a top_p of 0 would keep nothing
@@ -27,6 +34,7 @@ class SamplingArgs:
     top_p_values: torch.Tensor | None = None  # every row's top-p, 1.0 where unused (the kernels read it always)
     min_p_offsets: torch.Tensor | None = None  # per row T * ln(min_p), -inf where off; None: no row uses min_p
     penalties: Penalties | None = None
+    logit_bias: LogitBias | None = None
 
 
 def _lowbias32(x: torch.Tensor) -> torch.Tensor:
@@ -115,8 +123,9 @@ class Sampler:
 
     def prepare(self, batch: Batch) -> SamplingArgs:
         penalties = prepare_penalties(batch, self.device)
+        bias = prepare_logit_bias(batch, self.device)
         if batch.all_greedy:
-            return SamplingArgs(temperatures=None, penalties=penalties)
+            return SamplingArgs(temperatures=None, penalties=penalties, logit_bias=bias)
         temps = batch.temperature.astype(np.float32)
         sampled = temps > 0
         top_k = np.where(sampled & (batch.top_k > 0) & (batch.top_k < self.vocab_size), batch.top_k, 0)
@@ -130,12 +139,12 @@ class Sampler:
         return SamplingArgs(
             temperatures=floats[0], top_p=floats[1] if (top_p < 1.0).any() else None, top_p_values=floats[1],
             top_k=top_k_dev if max_k else None, max_k=max_k, seeds=seeds, positions=positions,
-            min_p_offsets=floats[2] if offsets is not None else None, penalties=penalties,
+            min_p_offsets=floats[2] if offsets is not None else None, penalties=penalties, logit_bias=bias,
         )
 
     def sample(self, logits: torch.Tensor, args: SamplingArgs) -> torch.Tensor:
-        if args.penalties is not None:
-            logits = apply_penalties(logits, args.penalties, self.token_pool)
+        if args.penalties is not None or args.logit_bias is not None:
+            logits = adjusted_logits(logits, args.logit_bias, args.penalties, self.token_pool)
         if args.temperatures is None:
             return logits.argmax(dim=-1)
         if self.kernels is None:

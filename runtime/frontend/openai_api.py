@@ -1,7 +1,7 @@
 """OpenAI request and response shapes for job batch files and the server; nothing here reads files or sockets.
 
-Parameters that change the output but are not implemented (``logit_bias``, tools...) are refused by name rather
-than ignored.
+Parameters that change the output but are not implemented (tools, ``response_format`` json...) are refused by
+name rather than ignored.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ MIN_LOGPROB = -9999.0  # OpenAI's "very unlikely"; keeps -inf out of the JSON
 
 # top_k, min_p, repetition_penalty, ignore_eos and stop_token_ids are not OpenAI's: vLLM's server takes them too.
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "logprobs", "user",
-           "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty", "ignore_eos",
+           "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "min_p", "repetition_penalty", "ignore_eos",
            "stop_token_ids"}
 _ALLOWED = {
     # store and metadata keep a completion for OpenAI's dashboards: nothing in the answer changes
@@ -33,14 +33,14 @@ _ALLOWED = {
     COMPLETIONS: _COMMON | {"prompt", "echo", "best_of"},
 }
 # Accepted only at the value that changes nothing (clients send them filled in).
-_NEUTRAL: dict[str, tuple[Any, ...]] = {"stream": (False,), "logit_bias": ({},), "best_of": (1,),
+_NEUTRAL: dict[str, tuple[Any, ...]] = {"stream": (False,), "best_of": (1,),
                                         "suffix": ("",), "response_format": ({"type": "text"},),
                                         "tool_choice": ("none", "auto"), "parallel_tool_calls": (True, False)}
 # OpenAI's chat roles without tools; "developer" is its newer name for "system", which chat templates know.
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _STREAMING = {"stream", "stream_options"}
-_PASSED = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-           "repetition_penalty", "ignore_eos", "stop_token_ids")
+_PASSED = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
+           "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids")
 
 
 class RequestError(ValueError):

@@ -214,6 +214,12 @@ class Scheduler:
             columns = np.array([r.logit_row for r in reqs], np.float32).T
             batch.min_p, batch.presence_penalty, batch.frequency_penalty, batch.repetition_penalty = columns.copy()
             batch.prompt_lens = np.array([r.prompt_len for r in reqs], np.int32)
+            biased = [r.logit_bias for r in reqs if r.logit_bias is not None]
+            if biased:
+                batch.bias_counts = np.array([0 if r.logit_bias is None else len(r.logit_bias[0]) for r in reqs],
+                                             np.int32)
+                batch.bias_tokens = np.concatenate([tokens for tokens, _ in biased])
+                batch.bias_values = np.concatenate([values for _, values in biased])
         return batch
 
     def finish(self, req: Req) -> None:
