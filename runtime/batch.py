@@ -64,6 +64,9 @@ class Req:
     sampling_row: tuple = ()
     logit_row: tuple = ()  # (min_p, presence, frequency, repetition penalty), rows with ``adjusts_logits`` only
     logit_bias: tuple[np.ndarray, np.ndarray] | None = None  # (int32 token ids, float32 biases), made once
+    # Its logits change before sampling (min_p, a penalty, a logit bias): batches then carry those. Fixed when
+    # made, so the scheduler's count of such requests holds even if the caller edits the params later.
+    adjusts_logits: bool = False
     sample_index: int = 0
     leader: Req | None = None  # sample 0: siblings wait for its prompt KV in the prefix cache
     prompt_cached: bool = False
@@ -86,6 +89,7 @@ class Req:
         self.sampling_row = (temperature, top_k, p.top_p, seed)
         self.logit_row = (0.0 if temperature == 0 else p.min_p, p.presence_penalty, p.frequency_penalty,
                           p.repetition_penalty)
+        self.adjusts_logits = self.logit_row[0] > 0 or p.adjusts_logits
         if p.logit_bias:
             self.logit_bias = (np.fromiter(p.logit_bias.keys(), np.int32, len(p.logit_bias)),
                                np.fromiter(p.logit_bias.values(), np.float32, len(p.logit_bias)))
@@ -96,10 +100,6 @@ class Req:
         if prompt_k >= 0:
             self.prompt_logprobs = [None]
 
-    @property
-    def adjusts_logits(self) -> bool:
-        """Its logits change before sampling (min_p, a penalty, a logit bias): batches then carry those."""
-        return self.logit_row[0] > 0 or self.sampling.adjusts_logits
 
     @property
     def wants_logprobs(self) -> bool:

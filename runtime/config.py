@@ -368,10 +368,18 @@ def _with_overrides(merged: DictConfig, overrides: Sequence[str] | None, schema:
     return cfg
 
 
+# Config keys whose value is a mapping as a whole: compared as one value, its keys as text, so a copy read back
+# from YAML or JSON (which writes keys as strings) equals the live config.
+MAPPING_VALUES = frozenset({"sampling.logit_bias"})
+
+
 def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     """A nested config as ``{"section.key": value}``."""
+    key = prefix.rstrip(".")
+    if key in MAPPING_VALUES and isinstance(node, dict):
+        return {key: {str(k): v for k, v in sorted(node.items(), key=lambda item: str(item[0]))}}
     if not isinstance(node, dict):
-        return {prefix.rstrip("."): node}
+        return {key: node}
     flat: dict[str, Any] = {}
     for key, value in node.items():
         flat.update(flatten(value, f"{prefix}{key}."))

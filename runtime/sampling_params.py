@@ -89,7 +89,7 @@ class SamplingParams:
             return isinstance(v, int) and not isinstance(v, bool)
 
         def is_number(v: object) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and _finite(v)
 
         if not is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
             raise bad("temperature", f"must be a number in [0, {MAX_TEMPERATURE:g}] (0 means greedy)")
@@ -134,6 +134,15 @@ class SamplingParams:
         return cls(**merged)
 
 
+def _finite(value: numbers.Real) -> bool:
+    """``math.isfinite`` that says False, rather than raising, for an int past float's range (JSON allows 1e400
+    written as digits)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _token_biases(biases: object, bad: Callable[[str, str], ValueError]) -> dict[int, float]:
     """``logit_bias`` with int keys and float values: JSON writes token ids as strings ("50256")."""
     why = (f"must map token ids (integers, or their decimal strings as JSON writes them) to numbers in "
@@ -146,7 +155,7 @@ def _token_biases(biases: object, bad: Callable[[str, str], ValueError]) -> dict
             key = int(key)
         if not isinstance(key, numbers.Integral) or isinstance(key, bool) or key < 0:
             raise bad("logit_bias", why)
-        if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) \
+        if not isinstance(value, numbers.Real) or isinstance(value, bool) or not _finite(value) \
                 or abs(value) > MAX_LOGIT_BIAS:
             raise bad("logit_bias", why)
         if int(key) in out:

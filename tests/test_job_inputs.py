@@ -180,6 +180,21 @@ def test_a_rerun_with_other_row_settings_is_refused_before_it_serves(tiny_llama_
     assert "max_new_tokens: 3" in (tmp_path / "out.config.yaml").read_text()
 
 
+def test_a_rerun_with_another_logit_bias_is_refused(tiny_llama_dir, tmp_path):
+    """A logit bias is one setting: another token, or none, is a change, though no key is in both copies."""
+    rows = [{"id": i, "prompt": [5, 6, 7 + i]} for i in range(3)]
+    _write(tmp_path / "rows.jsonl", [json.dumps(r).encode() for r in rows[:2]])
+    first = _llm(tiny_llama_dir, tmp_path, "sampling.max_new_tokens=2", "sampling.logit_bias={5: -100}")
+    assert run_job(first, to_yaml(first.cfg))["completed"] == 2
+    _write(tmp_path / "rows.jsonl", [json.dumps(r).encode() for r in rows])
+    for bias, shown in [("{7: -100}", "{'7': -100.0}"), ("{}", "{}")]:
+        other = _llm(tiny_llama_dir, tmp_path, "sampling.max_new_tokens=2", f"sampling.logit_bias={bias}")
+        with pytest.raises(ValueError, match=re.escape(f"(sampling.logit_bias: {{'5': -100.0}} then, {shown} now)")):
+            run_job(other, to_yaml(other.cfg))
+    same = _llm(tiny_llama_dir, tmp_path, "sampling.max_new_tokens=2", "sampling.logit_bias={5: -100.0}")
+    assert run_job(same, to_yaml(same.cfg))["completed"] == 1
+
+
 def test_input_and_output_must_differ(tiny_llama_dir, tmp_path):
     rows = tmp_path / "rows.jsonl"
     _write(rows, [json.dumps({"id": 1, "prompt": [5]}).encode()])

@@ -83,12 +83,13 @@ def test_min_p_keeps_what_transformers_keeps_at_each_temperature():
 
 def test_out_of_range_values_are_refused_by_name():
     for name, value in [("min_p", 1.5), ("min_p", -0.1), ("presence_penalty", 2.5), ("frequency_penalty", -3),
-                        ("repetition_penalty", 0), ("repetition_penalty", math.inf), ("presence_penalty", True)]:
+                        ("repetition_penalty", 0), ("repetition_penalty", math.inf), ("presence_penalty", True),
+                        ("temperature", 10**400), ("frequency_penalty", -(10**400))]:  # ints past float's range
         with pytest.raises(ValueError, match=f"{name}="):
             SamplingParams(**{name: value})
     assert not SamplingParams().adjusts_logits and SamplingParams(repetition_penalty=1.1).adjusts_logits
     assert SamplingParams(logit_bias={"5": 1}).logit_bias == {5: 1.0} and SamplingParams(logit_bias={5: 1}).adjusts_logits
-    for bias in [{"x": 1}, {-1: 1}, {"5": 101}, {5: math.nan}, {5: True}, {True: 1}, {"5": 1, 5: 2}, [5]]:
+    for bias in [{"x": 1}, {-1: 1}, {"5": 101}, {5: math.nan}, {5: 10**400}, {5: True}, {True: 1}, {"5": 1, 5: 2}, [5]]:
         with pytest.raises(ValueError, match="logit_bias="):
             SamplingParams(logit_bias=bias)
 
@@ -101,9 +102,10 @@ def test_openai_bodies_pass_penalties_and_min_p():
     _, sampling, _ = parse_request("/v1/completions", body, SamplingParams())
     assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.min_p, sampling.repetition_penalty,
             sampling.logit_bias) == (0.5, -0.25, 0.1, 1.1, {50256: -100.0, 13: 2.0})
-    with pytest.raises(RequestError, match="logit_bias=") as caught:
-        parse_request("/v1/completions", {"prompt": "a", "logit_bias": {"13": 200}}, SamplingParams())
-    assert caught.value.param == "logit_bias"
+    for bias in [{"13": 200}, {"13": 10**400}]:
+        with pytest.raises(RequestError, match="logit_bias=") as caught:
+            parse_request("/v1/completions", {"prompt": "a", "logit_bias": bias}, SamplingParams())
+        assert caught.value.param == "logit_bias"
 
 
 MAX_NEW = 24

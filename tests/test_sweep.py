@@ -477,6 +477,17 @@ def test_a_folder_of_another_config_is_not_resumed(model_dir, rows, tmp_path, ca
     # Keys that change neither rows nor measurements may change between a run and its rerun.
     assert sweep.main(["--sweep-file", str(file), "job.lock_wait_s=300", "server.port=9000", "--list"]) == 0
     assert "  1  done" in capsys.readouterr().out
+    # A key a later version added is its default in a record written before it; another value is a change.
+    (record,) = (tmp_path / "out").glob("*/run.json")
+    saved = record.read_text()
+    old = json.loads(saved)
+    del old["config"]["sampling.min_p"], old["config"]["sampling.logit_bias"]
+    record.write_text(json.dumps(old))
+    assert sweep.main(["--sweep-file", str(file), "--list"]) == 0
+    assert "  1  done" in capsys.readouterr().out
+    assert sweep.main(["--sweep-file", str(file), "sampling.min_p=0.1", "--list"]) == 2
+    assert "keys that differ: sampling.min_p" in capsys.readouterr().err
+    record.write_text(saved)
     # Nor collected as this config's results: the table of the config that ran stays as it was.
     table = (tmp_path / "out" / "results.csv").read_text()
     assert sweep.main(["--sweep-file", str(file), "sampling.max_new_tokens=7", "--collect"]) == 2

@@ -12,6 +12,7 @@ Every run's config is validated here, before anything runs. Nothing in this modu
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import itertools
 import json
@@ -395,10 +396,22 @@ def check_resumable(run: Run) -> None:
     now, before = run.identity(), record["config"]
     # The folder's own files: the same files, named from whichever folder the sweep runs in.
     own = {*PER_RUN_KEYS, *(["job.input"] if run.prompts_input else [])}
-    changed = sorted(k for k in now.keys() | before.keys() if k not in own and now.get(k) != before.get(k))
+    # A key the record lacks came with a later version of tpinfer: it was its default then.
+    defaults = _default_identity()
+    absent = object()
+
+    def value(config: dict[str, Any], key: str) -> Any:
+        return config[key] if key in config else defaults.get(key, absent)
+
+    changed = sorted(k for k in now.keys() | before.keys() if k not in own and value(now, k) != value(before, k))
     if changed:
         raise ConfigError(f"run {run.index} ({run.dir}) holds a run of another config (keys that differ: "
                           f"{', '.join(changed[:5])}): use another 'out', or delete the folder to run it again")
+
+
+@functools.cache
+def _default_identity() -> dict[str, Any]:
+    return flatten(OmegaConf.to_container(OmegaConf.structured(RuntimeConfig())))
 
 
 def run_name(sweep: Sweep, run: Run) -> str:
