@@ -100,7 +100,6 @@ class Req:
         if prompt_k >= 0:
             self.prompt_logprobs = [None]
 
-
     @property
     def wants_logprobs(self) -> bool:
         return self.logprob_ks != (-1, -1)

@@ -30,6 +30,10 @@ def _float_bits(values: np.ndarray) -> np.ndarray:
     return values.astype(np.float32).view(np.int32).astype(np.int64)
 
 
+def _from_bits(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.int32).view(np.float32)
+
+
 def send_batch(batch: Batch | None, stop: bool = False) -> None:
     """Rank 0: publish this step (None = nothing to run now; ``stop`` = the workers exit)."""
     if stop or batch is None:
@@ -70,13 +74,13 @@ def recv_batch() -> Batch | int:
     for name, arr in zip(_INT_FIELDS, arrays):
         values[name] = arr.astype(np.int64 if name == "seeds" else np.int32)
     for name, arr in zip(_FLOAT_FIELDS, arrays[len(_INT_FIELDS) :]):
-        values[name] = arr.astype(np.int32).view(np.float32)
+        values[name] = _from_bits(arr)
     for name, arr in zip(_ADMIT_FIELDS, arrays[len(_INT_FIELDS) + len(_FLOAT_FIELDS) :]):
         values[name] = arr.astype(np.int32)
     for name, arr in zip(optional, arrays[n_optional - len(optional) : n_optional]):
-        values[name] = arr.astype(np.int32).view(np.float32) if name in _OPTIONAL_FLOATS else arr.astype(np.int32)
+        values[name] = _from_bits(arr) if name in _OPTIONAL_FLOATS else arr.astype(np.int32)
     if n_bias:
         counts, tokens, biases = arrays[n_optional:]
         values.update(bias_counts=counts.astype(np.int32), bias_tokens=tokens.astype(np.int32),
-                      bias_values=biases.astype(np.int32).view(np.float32))
+                      bias_values=_from_bits(biases))
     return Batch(phase="prefill" if kind == PREFILL else "decode", **values)

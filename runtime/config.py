@@ -6,7 +6,7 @@ import difflib
 from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass, make_dataclass
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, get_origin, get_type_hints
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -368,9 +368,20 @@ def _with_overrides(merged: DictConfig, overrides: Sequence[str] | None, schema:
     return cfg
 
 
-# Config keys whose value is a mapping as a whole: compared as one value, its keys as text, so a copy read back
-# from YAML or JSON (which writes keys as strings) equals the live config.
-MAPPING_VALUES = frozenset({"sampling.logit_bias"})
+def _mapping_keys(schema: type, prefix: str = "") -> frozenset[str]:
+    """The keys of ``schema`` typed as a dict: a value, not a section."""
+    keys: set[str] = set()
+    for name, kind in get_type_hints(schema).items():
+        if is_dataclass(kind):
+            keys |= _mapping_keys(kind, f"{prefix}{name}.")
+        elif get_origin(kind) is dict:
+            keys.add(prefix + name)
+    return frozenset(keys)
+
+
+# Keys whose value is a mapping (sampling.logit_bias): flattened as one value, its keys as text, so a copy read
+# back from YAML or JSON (which writes keys as strings) equals the live config.
+MAPPING_VALUES = _mapping_keys(RuntimeConfig)
 
 
 def flatten(node: Any, prefix: str = "") -> dict[str, Any]:

@@ -140,6 +140,9 @@ def test_greedy_with_penalties_matches_hf_generate(default_model_dir):
     penalties_of = [*PENALTIES[:4], {**PENALTIES[4], "logit_bias": {banned: -100.0, favoured: 3.0}}]
     outs = llm.generate(messages, [SamplingParams(temperature=0, max_new_tokens=MAX_NEW, **p) for p in penalties_of])
     assert outs[4].token_ids[0] != banned
+    vocab = llm.model_config.vocab_size
+    outside = llm.generate([messages[0]], SamplingParams(logit_bias={vocab: 1.0}))[0]
+    assert outside.error == f"logit_bias [{vocab}] are outside the vocabulary [0, {vocab})"
     differs = 0
     for msgs, penalties, out, unpenalised in zip(messages, penalties_of, outs, plain):
         ids = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),

@@ -155,12 +155,11 @@ class LLM:
         if not ids:  # no position to sample from
             raise ValueError("prompt encodes to zero tokens")
         vocab = self.model_config.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):  # such a stop could never fire
-            bad = [t for t in params.stop_token_ids if t >= vocab]
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if any(t >= vocab for t in params.logit_bias):
-            bad = [t for t in params.logit_bias if t >= vocab]
-            raise ValueError(f"logit_bias names tokens {bad[:5]} outside the vocabulary [0, {vocab})")
+        # A stop there could never fire, a bias there has no logit to change.
+        for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+            bad = [t for t in tokens if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} {bad[:5]} are outside the vocabulary [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings {params.stop} need a tokenizer; model directory {self.model_dir} has none")
         limit = self.engine.max_seq_len

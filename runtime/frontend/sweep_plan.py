@@ -398,12 +398,8 @@ def check_resumable(run: Run) -> None:
     own = {*PER_RUN_KEYS, *(["job.input"] if run.prompts_input else [])}
     # A key the record lacks came with a later version of tpinfer: it was its default then.
     defaults = _default_identity()
-    absent = object()
-
-    def value(config: dict[str, Any], key: str) -> Any:
-        return config[key] if key in config else defaults.get(key, absent)
-
-    changed = sorted(k for k in now.keys() | before.keys() if k not in own and value(now, k) != value(before, k))
+    changed = sorted(k for k in now.keys() | before.keys()
+                     if k not in own and now.get(k, defaults.get(k)) != before.get(k, defaults.get(k)))
     if changed:
         raise ConfigError(f"run {run.index} ({run.dir}) holds a run of another config (keys that differ: "
                           f"{', '.join(changed[:5])}): use another 'out', or delete the folder to run it again")
