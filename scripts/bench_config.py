@@ -22,6 +22,7 @@ class BenchSection:
     n: int = 1
     logprobs: int | None = None
     seeded: bool = False
+    penalties: bool = False  # every request with min_p and the three penalties (their cost)
     peers: list[str] = field(default_factory=lambda: ["hf_continuous", "hf_static"])  # run on the fixed variant
     peer_requests: int = 256
     ablations: list[str] = field(default_factory=lambda: ["no_graphs", "no_overlap"])

@@ -35,6 +35,7 @@ RUNS = {
     "tpinfer_fixed": ({}, True),
     "tpinfer_deterministic": ({"engine__deterministic": True}, False),
     "tpinfer_seeded": ({"bench__seeded": True}, False),
+    "tpinfer_penalties": ({"bench__penalties": True}, False),
     "tpinfer_n8": ({"bench__n": 8, "bench__num_requests": 32, "bench__temperature": 1.0}, False),
     "tpinfer_logprobs5": ({"bench__logprobs": 5}, False),
     "shared_prefix_radix": ({"cache__type": "radix"}, "shared"),

@@ -195,6 +195,10 @@ def decode_idle(steps: list[tuple[float, float, bool]]) -> dict[str, float]:
     return {"decode_idle_share": share, "decode_busy_ms": busy, "decode_idle_ms": idle}
 
 
+# What the penalties run sets on every request: each logit adjustment the sampler has, at typical values.
+PENALTIES = {"min_p": 0.05, "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}
+
+
 def run_tpinfer(cfg: BenchConfig, fixed: bool | str, limits: dict[str, float] | None) -> dict:
     from models import moe
     from runtime import LLM, SamplingParams
@@ -203,8 +207,9 @@ def run_tpinfer(cfg: BenchConfig, fixed: bool | str, limits: dict[str, float] | 
     llm = LLM(config=cfg)
     prompts, outs = workload(cfg, fixed)
     b = cfg.bench
+    adjust = PENALTIES if b.penalties else {}
     params = [SamplingParams(temperature=b.temperature, max_new_tokens=n, ignore_eos=True, n=b.n, logprobs=b.logprobs,
-                             seed=i if b.seeded else None) for i, n in enumerate(outs)]
+                             seed=i if b.seeded else None, **adjust) for i, n in enumerate(outs)]
     # Warm-up (kernel loads, allocator growth); shifted ids, so it does not seed the prefix cache.
     warm = [[(t + 1) % cfg.bench.token_id_limit for t in p] for p in prompts[:8]]
     llm.generate(warm, [SamplingParams(temperature=cfg.bench.temperature, max_new_tokens=16, ignore_eos=True)] * 8)

@@ -11,8 +11,15 @@ import pytest
 import torch
 
 from runtime import LLM, SamplingParams
-from runtime.engine.penalties import min_p_offsets, penalize
+from runtime.engine.penalties import min_p_offsets, penalize_
 from runtime.engine.sampler import kept_tokens, thresholds_with_min_p
+
+
+def penalize(logits: torch.Tensor, tokens: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+    """Every row of a float32 copy of ``logits`` penalised."""
+    x = logits.float().clone()
+    penalize_(x, torch.arange(len(x)), tokens, *args)
+    return x
 
 
 def _float64_presence_frequency(x: torch.Tensor, output: list[int], presence: float,

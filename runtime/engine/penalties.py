@@ -55,21 +55,32 @@ def prepare_penalties(batch: Batch, device: torch.device) -> Penalties | None:
     return Penalties(*ints, *floats, max_len=int(kv_lens.max()))
 
 
-def penalize(logits: torch.Tensor, tokens: torch.Tensor, kv_lens: torch.Tensor, prompt_lens: torch.Tensor,
-             presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
-    """float32 logits ``[m, vocab]`` after the penalties, for rows whose token ids so far are ``tokens[i, :kv_lens[i]]``
-    (the output from ``prompt_lens[i]``): repetition over prompt and output, as transformers (a token seen
-    anywhere has its logit divided by the penalty where positive, multiplied where not); presence and frequency
-    over the output, as OpenAI (minus ``presence`` once and ``frequency`` per occurrence)."""
-    x = logits.float()
+def penalize_(x: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, kv_lens: torch.Tensor,
+              prompt_lens: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
+              repetition: torch.Tensor) -> None:
+    """Penalises float32 logits ``x`` in place at batch ``rows``, whose token ids so far are
+    ``tokens[i, :kv_lens[i]]`` (the output from ``prompt_lens[i]``): repetition over prompt and output, as
+    transformers (a token seen anywhere has its logit divided by the penalty where positive, multiplied where
+    not); presence and frequency over the output, as OpenAI (minus ``presence`` once and ``frequency`` per
+    occurrence).
+
+    Only the sequences' own tokens are touched: ``[rows, vocab]`` temporaries would cost several passes over
+    the logits each step (a quarter of the 1B shape's decode throughput at 256 rows)."""
     cols = torch.arange(tokens.shape[1], device=tokens.device)
     in_sequence = cols[None, :] < kv_lens[:, None]
     generated = in_sequence & (cols[None, :] >= prompt_lens[:, None])
-    counts = torch.zeros_like(x).scatter_add_(1, tokens, generated.float())  # integers: exact in any order
-    seen = torch.zeros_like(x).scatter_add_(1, tokens, in_sequence.float()) > 0
+    # Past kv_len the pool holds stale ids: they become copies of the row's first token, so every write below
+    # of one (row, token) carries the same value and the scatter's order cannot matter.
+    tokens = torch.where(in_sequence, tokens, tokens[:, :1])
+    # Occurrences in the output, by binary search in the row's sorted output ids (the vocabulary size pads).
+    vocab = x.shape[1]
+    output_sorted = torch.where(generated, tokens, vocab).sort(dim=1).values
+    counts = (torch.searchsorted(output_sorted, tokens, right=True) - torch.searchsorted(output_sorted, tokens))
+    at = (rows[:, None].expand_as(tokens), tokens)
+    seen = x[at]
     rep = repetition[:, None]
-    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    return x - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+    penalised = torch.where(seen > 0, seen / rep, seen * rep)
+    x.index_put_(at, penalised - frequency[:, None] * counts - presence[:, None] * (counts > 0))
 
 
 def adjusted_logits(logits: torch.Tensor, bias: LogitBias | None, penalties: Penalties | None,
@@ -82,7 +93,7 @@ def adjusted_logits(logits: torch.Tensor, bias: LogitBias | None, penalties: Pen
     if penalties is not None:
         p = penalties
         tokens = token_pool[p.pool_rows, : p.max_len].long()
-        out[p.rows] = penalize(out[p.rows], tokens, p.kv_lens, p.prompt_lens, p.presence, p.frequency, p.repetition)
+        penalize_(out, p.rows, tokens, p.kv_lens, p.prompt_lens, p.presence, p.frequency, p.repetition)
     return out
 
 
