@@ -569,11 +569,14 @@ def drop_error_lines(path: Path) -> int:
     return dropped
 
 
-def write_atomic(path: Path, chunks: Iterable[bytes]) -> None:
-    """Replace ``path`` by ``chunks`` atomically (temporary file, synced, renamed over it)."""
-    tmp = path.with_name(f".{path.name}.tmp")
+def write_atomic(path: Path, data: str | Iterable[bytes]) -> None:
+    """Write a temporary file, sync it, rename it over ``path``: a reader (another array task, a rerun after a
+    kill) sees the old file or the new one, never part of one. The temporary name carries the pid, so writers in
+    several processes do not share one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
-        f.writelines(chunks)
+        f.writelines([data.encode()] if isinstance(data, str) else data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

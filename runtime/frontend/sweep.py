@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runtime.config import ConfigError, RuntimeConfig, to_yaml
+from runtime.frontend.job_files import write_atomic
 from runtime.frontend.signals import EXIT_PREEMPTED, exit_now
 from runtime.frontend.sweep_plan import (
     DONE,
@@ -39,7 +40,6 @@ from runtime.frontend.sweep_plan import (
     load_sweep_file,
     plan_runs,
     shorthand_sweep,
-    write_atomic,
     write_record,
 )
 from runtime.frontend.sweep_results import write_results

@@ -28,7 +28,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from runtime.config import ConfigError, RuntimeConfig, flatten, load_config, yaml_as_written
-from runtime.frontend.job_files import JobPaths
+from runtime.frontend.job_files import JobPaths, write_atomic
 
 DEFAULT_BASE = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 SWEEP_KEYS = ("base", "overrides", "grid", "zip", "name", "out", "metrics", "plot", "reuse_engine")
@@ -475,11 +475,3 @@ def read_record(folder: Path) -> dict[str, Any] | None:
 
 def write_record(folder: Path, record: dict[str, Any]) -> None:
     write_atomic(folder / RECORD, json.dumps(record, indent=2) + "\n")
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write then rename: a reader (another array task, a rerun after a kill) sees the old file or the new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -17,8 +17,8 @@ from typing import Any
 
 from runtime.config import flatten
 from runtime.frontend import openai_api
-from runtime.frontend.job_files import normalize_id, whole_lines
-from runtime.frontend.sweep_plan import PENDING, RESULT_COLUMNS, Run, Sweep, write_atomic
+from runtime.frontend.job_files import normalize_id, whole_lines, write_atomic
+from runtime.frontend.sweep_plan import PENDING, RESULT_COLUMNS, Run, Sweep
 
 log = logging.getLogger(__name__)
 
