@@ -294,6 +294,7 @@ BAD = {  # custom_id: (line, code)
     "wider": (json.dumps(_line("wider", CHAT, messages=HELLO, max_completion_tokens=4000)), "context_length_exceeded"),
     "get": (json.dumps({**_line("get", COMPLETIONS, prompt="x"), "method": "GET"}), "invalid_method"),
     "echo": (json.dumps(_line("echo", COMPLETIONS, prompt="x", echo="yes")), "invalid_request"),
+    "bias": (json.dumps(_line("bias", COMPLETIONS, prompt="x", logit_bias={"99999999": 1})), "invalid_request"),
 }
 ECHO = [  # the prompt comes back with its logprobs (lm-evaluation-harness scores continuations so)
     _line("text-echo", COMPLETIONS, prompt="Once upon a time", max_tokens=2, echo=True, logprobs=1),
@@ -306,7 +307,7 @@ def test_a_batch_file_with_good_and_bad_lines(text_model, tmp_path):
     lines = [json.dumps(line) for line in GOOD]
     lines[2:2] = [BAD["broken"][0], BAD["embed"][0]]
     lines += [BAD["long"][0], BAD["get"][0], json.dumps(_line("chat", CHAT, messages=HELLO)), BAD["echo"][0],
-              BAD["wide"][0], BAD["wider"][0], *map(json.dumps, ECHO)]
+              BAD["wide"][0], BAD["wider"][0], BAD["bias"][0], *map(json.dumps, ECHO)]
     rows.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out.jsonl"
     proc = _launch(text_model, rows, out)
@@ -326,8 +327,9 @@ def test_a_batch_file_with_good_and_bad_lines(text_model, tmp_path):
             assert set(r["response"]) == RESPONSE_KEYS and r["response"]["status_code"] == 400
             assert set(r["response"]["body"]) == {"error"} and set(_error(r)) == API_ERROR_KEYS and _error(r)["message"]
             assert _error(r)["type"] == "invalid_request_error"
-    assert {r["custom_id"] for r in failed if r["error"] is None} == {"long", "wide", "wider", "echo"}
+    assert {r["custom_id"] for r in failed if r["error"] is None} == {"long", "wide", "wider", "echo", "bias"}
     assert next(_error(r)["param"] for r in failed if r["custom_id"] == "echo") == "echo"
+    assert next(_error(r)["param"] for r in failed if r["custom_id"] == "bias") == "logit_bias"  # the model refused it
     assert len({r["id"] for r in results}) == len(results)
 
     for line in GOOD:

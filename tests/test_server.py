@@ -542,6 +542,11 @@ def test_bad_bodies_get_400_in_openais_shape_and_the_server_stays_up(server, cli
     status, answer = post(b'{"prompt": [5, 6, 7], "max_tokens": 1000000}', "/v1/completions")
     assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer  # not cut short
     assert answer["error"]["type"] == "invalid_request_error" and "3 in the prompt" in answer["error"]["message"]
+    for extra, param in [({"logit_bias": {"99999999": 1}}, "logit_bias"), ({"stop_token_ids": [99999999]},
+                                                                             "stop_token_ids")]:
+        status, answer = post(json.dumps({"prompt": "x", "max_tokens": 1, **extra}).encode(), "/v1/completions")
+        assert (status, answer["error"]["param"]) == (400, param), answer  # checked against the model's vocabulary
+        assert "outside the vocabulary" in answer["error"]["message"]
     ok = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], **greedy(4))
     assert ok.choices[0].message.content is not None
 

@@ -263,7 +263,8 @@ def serve(llm: Any, replicas: Replicas, paths: JobPaths, todo: Todo, out_format:
         errors.write({"id": row.id, "line": row.line, "key": row.key, "error": message})
         if out_format == "openai":
             code = code or row.code or openai_api.engine_error_code(message)
-            outputs.write(openai_api.error_line(row.id, row.key, code, message, row.param))
+            param = row.param or openai_api.engine_error_param(message)
+            outputs.write(openai_api.error_line(row.id, row.key, code, message, param))
         counts["errors"] += 1
         bar.update(replicas.finished() - bar.n)
 

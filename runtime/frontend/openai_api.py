@@ -535,6 +535,15 @@ def engine_error_code(message: str) -> str:
     return "context_length_exceeded" if too_long else "invalid_request"
 
 
+# Request parameters the engine checks against the model (the vocabulary); its messages start with their name.
+_ENGINE_CHECKED = ("logit_bias", "stop_token_ids")
+
+
+def engine_error_param(message: str) -> str | None:
+    """The parameter an engine error names, for the error body's ``param``."""
+    return next((name for name in _ENGINE_CHECKED if message.startswith(name + " ")), None)
+
+
 def is_result_line(line: Any) -> bool:
     """A batch result line, served or not: a native result row never carries these keys together."""
     return isinstance(line, dict) and {"custom_id", "response", "error"} <= line.keys()

@@ -229,7 +229,7 @@ async def _complete(request: web.Request, url: str) -> web.StreamResponse:
     except api.RequestError as exc:
         return _error(400, str(exc), exc.code, exc.param)
     except ValueError as exc:
-        return _error(400, str(exc), api.engine_error_code(str(exc)))
+        return _error(400, str(exc), api.engine_error_code(str(exc)), api.engine_error_param(str(exc)))
     except Exception as exc:  # noqa: BLE001 - a chat template's own error, say
         return _error(400, f"{type(exc).__name__}: {exc}", "invalid_request")
     if state.serving.queued >= state.cfg.max_queue:
