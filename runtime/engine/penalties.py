@@ -77,9 +77,9 @@ def penalize_(x: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, kv_lens
     output_sorted = torch.where(generated, tokens, vocab).sort(dim=1).values
     counts = (torch.searchsorted(output_sorted, tokens, right=True) - torch.searchsorted(output_sorted, tokens))
     at = (rows[:, None].expand_as(tokens), tokens)
-    seen = x[at]
+    at_seen = x[at]  # the logits of the row's own tokens
     rep = repetition[:, None]
-    penalised = torch.where(seen > 0, seen / rep, seen * rep)
+    penalised = torch.where(at_seen > 0, at_seen / rep, at_seen * rep)
     x.index_put_(at, penalised - frequency[:, None] * counts - presence[:, None] * (counts > 0))
 
 
