@@ -14,6 +14,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from tokenizers import Tokenizer, models
+from transformers import PreTrainedTokenizerFast
 
 from runtime import LLM
 from runtime.frontend import openai_api
@@ -115,6 +117,17 @@ def test_developer_messages_are_system_messages_and_unknown_roles_are_refused():
         with pytest.raises(openai_api.RequestError, match=rf"messages\[1\].role='{role}' is not one of"):
             openai_api.parse_body(CHAT, {"messages": [{"role": "user", "content": "x"},
                                                       {"role": role, "content": "y"}]}, DEFAULTS)
+
+
+def test_message_names_reach_the_chat_template_and_must_be_strings():
+    messages = [{"role": "user", "content": "hi", "name": "ada"}, {"role": "user", "content": "yo"}]
+    parsed = openai_api.parse_body(CHAT, {"messages": messages}, DEFAULTS)[0]
+    assert parsed == [{"role": "user", "content": "hi", "name": "ada"}, {"role": "user", "content": "yo"}]
+    template = "{% for m in messages %}[{{ m.name | default('-') }}] {{ m.content }}\n{% endfor %}"
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"x": 0}, unk_token="x")))
+    assert tok.apply_chat_template(parsed, chat_template=template, tokenize=False) == "[ada] hi\n[-] yo\n"
+    with pytest.raises(openai_api.RequestError, match=r"messages\[0\].name must be a string"):
+        openai_api.parse_body(CHAT, {"messages": [{"role": "user", "content": "hi", "name": 7}]}, DEFAULTS)
 
 
 def test_openai_ranges_of_seed_and_top_p_map_onto_ours():

@@ -243,7 +243,11 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
         if role is None:
             raise RequestError("invalid_request", f"messages[{i}].role={message['role']!r} is not one of "
                                                   f"{sorted(_ROLES)} (tools are not supported)", "messages")
-        messages.append({"role": role, "content": content})
+        name = message.get("name")
+        if name is not None and not isinstance(name, str):
+            raise RequestError("invalid_request", f"messages[{i}].name must be a string", "messages")
+        # A participant's name goes to the chat template, which renders it where its model expects (or not at all).
+        messages.append({"role": role, "content": content, **({"name": name} if name is not None else {})})
     return messages
 
 
