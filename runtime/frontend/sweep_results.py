@@ -11,7 +11,6 @@ import difflib
 import io
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -136,10 +135,10 @@ def write_plot(sweep: Sweep, rows: list[dict[str, Any]], path: Path) -> Path | N
     if others and lines:
         ax.legend(fontsize=7)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")
-    fig.savefig(tmp, dpi=120)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
-    os.replace(tmp, path)
+    write_atomic(path, [png.getvalue()])
     return path
 
 
