@@ -14,14 +14,6 @@ try:
 except ImportError:  # CPU-only installs never build the fused path
     triton = None
 
-from models import fp8
-
-if triton is not None:
-    from models.fp8 import to_e4m3
-
-    FP8_MAX: tl.constexpr = tl.constexpr(fp8.FP8_MAX)
-    TINY: tl.constexpr = tl.constexpr(fp8.TINY)
-
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once: the kernels take it as a constant
 
 if triton is not None:
@@ -98,30 +90,17 @@ if triton is not None:
         PRODUCT_SCALE: tl.constexpr,
     ):
         """Row products to outputs: the row sums (``acc_up``: the up rows, with SILU; each product carries
-        ``PRODUCT_SCALE``) and the squares ``sq``, each reduced only where used, then ``_finish_sums``."""
+        ``PRODUCT_SCALE``), rstd from the squares ``sq``, FP8 scales, bias, SiLU x up, the residual add, the store.
+        Each sum is reduced only where used."""
         y = tl.sum(acc, axis=1) / PRODUCT_SCALE
-        u = y
-        if SILU:
-            u = tl.sum(acc_up, axis=1) / PRODUCT_SCALE
-        squares = 0.0
         if NORM:
-            squares = tl.sum(sq, axis=0)
-        _finish_sums(y, u, squares, n, n_ok, scale_ptr, bias_ptr, out_ptr, eps, N, K, NORM, SILU, ADD, HAS_BIAS)
-
-    @triton.jit
-    def _finish_sums(
-        y, u, squares, n, n_ok, scale_ptr, bias_ptr, out_ptr, eps, N: tl.constexpr, K: tl.constexpr,
-        NORM: tl.constexpr, SILU: tl.constexpr, ADD: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ):
-        """Row sums ``y`` (and ``u``, the up rows) and x's sum of squares to outputs: rstd, FP8 scales, bias,
-        SiLU x up, the residual add, the store."""
-        if NORM:
-            rstd = tl.rsqrt(squares / K + eps)
+            rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
             y = y * rstd
         y *= tl.load(scale_ptr + n, mask=n_ok, other=0.0)
         if HAS_BIAS:
             y += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
         if SILU:
+            u = tl.sum(acc_up, axis=1) / PRODUCT_SCALE
             if NORM:
                 u = u * rstd
             u *= tl.load(scale_ptr + N + n, mask=n_ok, other=0.0)
@@ -288,95 +267,6 @@ if triton is not None:
                      PRODUCT_SCALE)
 
 
-    @triton.jit
-    def _x_group_e4m3(x_ptr, norm_ptr, k, NORM: tl.constexpr):
-        """x[k] (times the norm weight) quantised to e4m3 with a scale of its own, as the B operand of a dot
-        ([16, group]: row 0 is x, the rest zeros, as an MMA is at least 16 wide), the scale, and with NORM the
-        sum of x's squares."""
-        x = tl.load(x_ptr + k).to(tl.float32)
-        squares = 0.0
-        if NORM:
-            squares = tl.sum(x * x, axis=0)
-            x = x * tl.load(norm_ptr + k).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0), TINY) / FP8_MAX
-        q = to_e4m3(x * (1.0 / scale), FP8_MAX).to(tl.float8e4nv)
-        row = tl.arange(0, 16)[:, None]
-        b = tl.where(row == 0, q[None, :], tl.zeros((16, q.shape[0]), tl.float8e4nv))
-        return b, scale, squares
-
-    @triton.jit
-    def _row_gemv_e4m3_mma(
-        x_ptr, w_ptr, scale_ptr, bias_ptr, norm_ptr, out_ptr, part_ptr, count_ptr, eps, N: tl.constexpr,
-        K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr,
-        SILU: tl.constexpr, ADD: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
-    ):
-        """``_row_gemv`` for e4m3 weights on FP8 tensor cores: x quantised to e4m3 per GROUP inputs, each group's
-        [BLOCK_N, GROUP] x [GROUP, 16] product scaled into a float32 sum. The weights reach the MMA unconverted,
-        which is what the CUDA-core kernels spend their time on. Program (i, s) takes rows i * BLOCK_N.. and the
-        s-th of SPLIT slices of K: with SPLIT > 1 each writes its row sums to ``part_ptr`` and the last of a
-        row block to arrive adds them in slice order (the same sum every run) and finishes the rows."""
-        block = tl.program_id(0)
-        piece = tl.program_id(1)
-        SLICE: tl.constexpr = K // SPLIT
-        n = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < N
-        k = piece * SLICE + tl.arange(0, GROUP)
-        w_rows = w_ptr + n[:, None].to(tl.int64) * K + k[None, :]
-        w = tl.load(w_rows, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-        if SILU:
-            up = tl.load(w_rows + N * K, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-        else:
-            up = w
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        b, x_scale, squares = _x_group_e4m3(x_ptr, norm_ptr, k, NORM)
-        acc = tl.dot(w, tl.trans(b)) * x_scale
-        acc_up = acc
-        if SILU:
-            acc_up = tl.dot(up, tl.trans(b)) * x_scale
-        for k0 in range(GROUP, SLICE, GROUP):
-            b, x_scale, part = _x_group_e4m3(x_ptr, norm_ptr, k + k0, NORM)
-            squares += part
-            w = tl.load(w_rows + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-            acc += tl.dot(w, tl.trans(b)) * x_scale
-            if SILU:
-                up = tl.load(w_rows + N * K + k0, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
-                acc_up += tl.dot(up, tl.trans(b)) * x_scale
-        y = tl.sum(acc, axis=1)  # columns 1.. are zero
-        u = y
-        if SILU:
-            u = tl.sum(acc_up, axis=1)
-        if SPLIT == 1:
-            _finish_sums(y, u, squares, n, n_ok, scale_ptr, bias_ptr, out_ptr, eps, N, K, NORM, SILU, ADD, HAS_BIAS)
-        else:
-            ROWS: tl.constexpr = 2 * N if SILU else N
-            BLOCKS: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-            STRIDE: tl.constexpr = ROWS + BLOCKS  # a slice's row sums, then one sum of squares a row block
-            mine = part_ptr + piece * STRIDE
-            tl.store(mine + n, y, mask=n_ok)
-            if SILU:
-                tl.store(mine + N + n, u, mask=n_ok)
-            if NORM:
-                tl.store(mine + ROWS + block, squares)
-            tl.debug_barrier()  # every thread's stores precede the release below
-            arrived = tl.atomic_add(count_ptr + block, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT - 1:
-                y = tl.zeros((BLOCK_N,), tl.float32)
-                u = y
-                squares = 0.0
-                for s in tl.static_range(SPLIT):
-                    theirs = part_ptr + s * STRIDE
-                    y += tl.load(theirs + n, mask=n_ok, other=0.0, cache_modifier=".cg")
-                    if SILU:
-                        u += tl.load(theirs + N + n, mask=n_ok, other=0.0, cache_modifier=".cg")
-                    if NORM:
-                        squares += tl.load(theirs + ROWS + block, cache_modifier=".cg")
-                _finish_sums(y, u, squares, n, n_ok, scale_ptr, bias_ptr, out_ptr, eps, N, K, NORM, SILU, ADD,
-                             HAS_BIAS)
-                tl.store(count_ptr + block, 0)  # ready for the next launch
-
-
 def supported(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
 
@@ -426,49 +316,6 @@ def tile(n: int, k: int, silu: bool, fp8: bool = False) -> tuple[int, int, int, 
     return 4, 1024, 8, 6
 
 
-# FP8 weights on tensor cores (``_row_gemv_e4m3_mma``) where the input features are whole activation groups:
-# the weights reach the MMA unconverted, x is quantised to e4m3 as the batched FP8 GEMMs quantise it. Off: a
-# pipelined loop over 128-input groups read 1.8 TB/s on an H100 where the f16 path reads 2.8; compare with
-# scripts/bench_gemv.py --fp8 --kernels mma,cvt.
-E4M3_TENSOR_CORES = False
-MMA_BLOCK_N = 64  # the rows of one Hopper warpgroup MMA
-TUNED_MMA_TILES: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {}
-
-
-def mma_tile(n: int, k: int, silu: bool) -> tuple[int, int, int, int]:
-    """(GROUP, SPLIT, num_warps, num_stages): inputs sharing an activation scale, and K slices a row block.
-    By default each program reads one group of 512 inputs (fewer where K is no multiple of 512), its weights
-    loaded at once before ``gdc_wait``: many small programs keep more bytes in flight than a pipelined loop."""
-    tuned = TUNED_MMA_TILES.get((n, k, silu))
-    if tuned:
-        return tuned
-    group = next(g for g in (512, 256, 128) if k % g == 0)
-    return group, k // group, 4, 2
-
-
-def mma_supported(k: int) -> bool:
-    return k % 128 == 0
-
-
-_workspaces: dict[tuple[torch.device, int, int, bool, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _split_workspace(device: torch.device, n: int, k: int, silu: bool, split: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row sums of each K slice and the arrival counters of one GEMV shape. Launches of a shape share them,
-    which is safe in stream order: a kernel touches them only after ``gdc_wait``, when the one before is done.
-    The counters start at zero and the last program of each row block puts its counter back. One first made
-    during a CUDA graph capture lives in that graph's pool, so it is not kept."""
-    key = (device, n, k, silu, split)
-    if key in _workspaces:
-        return _workspaces[key]
-    blocks = triton.cdiv(n, MMA_BLOCK_N)
-    parts = torch.empty(split * ((2 if silu else 1) * n + blocks), dtype=torch.float32, device=device)
-    made = parts, torch.zeros(blocks, dtype=torch.int32, device=device)
-    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        _workspaces[key] = made
-    return made
-
-
 def _launch(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
     norm: torch.Tensor | None, eps: float, out: torch.Tensor, n: int, silu: bool, add: bool,
@@ -478,19 +325,6 @@ def _launch(
         raise ValueError(f"the fused GEMV takes one row, got {rows}")
     block_n, block_k, warps, stages = tile(n, k, silu, scale is not None)
     pdl = use_pdl(x.device.index or 0)
-    if scale is not None and E4M3_TENSOR_CORES and mma_supported(k):
-        group, split, warps, stages = mma_tile(n, k, silu)
-        if k % (group * split):
-            raise ValueError(f"FP8 GEMV tile: {split} slices of {group}-input groups do not divide {k} inputs")
-        blocks = triton.cdiv(n, MMA_BLOCK_N)
-        parts, counts = _split_workspace(x.device, n, k, silu, split)
-        _row_gemv_e4m3_mma[(blocks, split)](
-            x, weight, scale, bias if bias is not None else scale, norm if norm is not None else scale, out, parts,
-            counts, eps, N=n, K=k, BLOCK_N=MMA_BLOCK_N, GROUP=group, SPLIT=split, NORM=norm is not None,
-            SILU=silu, ADD=add, HAS_BIAS=bias is not None, PDL=pdl, launch_pdl=pdl, num_warps=warps,
-            num_stages=stages,
-        )
-        return
     if scale is not None:
         if k % 4:
             raise ValueError(f"FP8 weights in the fused GEMV are read four to an int32: {k} input features")

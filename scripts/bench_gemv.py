@@ -1,11 +1,10 @@
 """Micro-benchmark: a decoder layer's weight passes for one token, unfused against fused, in CUDA graphs.
 
-    python scripts/bench_gemv.py [--shapes 1B,8B,SmolLM2] [--sweep] [--fp8 [--kernels mma,cvt,bits]]
+    python scripts/bench_gemv.py [--shapes 1B,8B,SmolLM2] [--sweep] [--fp8 [--widening cvt|bits|both]]
 
 The stack is deep enough that L2 never serves the weights; ``--sweep`` varies one kernel's tile at a time;
-``--fp8`` times e4m3 weights with a scale per row (the fused kernels only) on FP8 tensor cores (mma:
-``models.gemv.E4M3_TENSOR_CORES``) or widened to f16 by conversion instructions (cvt) or integer ops (bits:
-``models.gemv.E4M3_BY_BITS``); more than one kernel alternates them three times.
+``--fp8`` times e4m3 weights with a scale per row (the fused kernels only), widened to f16 by conversion
+instructions (cvt) or integer ops (bits: ``models.gemv.E4M3_BY_BITS``); ``both`` alternates them three times.
 """
 
 from __future__ import annotations
@@ -102,22 +101,7 @@ def fused_stack(layers: list[dict], h: torch.Tensor, attn: torch.Tensor) -> Call
 
 
 KernelKey = tuple[int, int, bool]  # (n, k, silu): the arguments models.gemv.tile sees
-Tile = tuple[int, ...]  # models.gemv.tile's (BLOCK_N, BLOCK_K, num_warps, num_stages); mma_tile's (GROUP, SPLIT, warps, stages)
-FP8_KERNELS = ("mma", "cvt", "bits")
-
-
-def use_fp8_kernel(name: str) -> None:
-    gemv.E4M3_TENSOR_CORES = name == "mma"
-    gemv.E4M3_BY_BITS = name == "bits"
-
-
-def fp8_kernel() -> str:
-    return "mma" if gemv.E4M3_TENSOR_CORES else "bits" if gemv.E4M3_BY_BITS else "cvt"
-
-
-def tile_function() -> str:
-    """The models.gemv function choosing the tiles the sweep varies."""
-    return "mma_tile" if gemv.E4M3_TENSOR_CORES else "tile"
+Tile = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 
 
 def kernel_keys(hidden: int, qkv: int, inter: int) -> dict[str, KernelKey]:
@@ -126,10 +110,6 @@ def kernel_keys(hidden: int, qkv: int, inter: int) -> dict[str, KernelKey]:
 
 
 def candidate_tiles(n: int, k: int, silu: bool) -> list[Tile]:
-    if tile_function() == "mma_tile":  # (GROUP, SPLIT, warps, stages): 1, 2 or 4 groups a program
-        return [(group, k // (group * per), warps, stages)
-                for group, per, warps, stages in itertools.product([128, 256, 512, 1024], [1, 2, 4], [4, 8], [2, 3])
-                if k % (group * per) == 0 and (per > 1 or stages == 2)]
     tiles = []
     for bn, bk, warps, stages in itertools.product([1, 2, 4, 8, 16], [256, 512, 1024, 2048, 4096], [2, 4, 8],
                                                    [2, 3, 4, 6]):
@@ -139,31 +119,30 @@ def candidate_tiles(n: int, k: int, silu: bool) -> list[Tile]:
     return tiles
 
 
-def patched_tile(overrides: dict[KernelKey, Tile]) -> Callable[..., Tile]:
-    default = getattr(gemv, tile_function())
+def patched_tile(overrides: dict[KernelKey, Tile]) -> Callable[[int, int, bool, bool], Tile]:
+    default = gemv.tile
 
-    def tile(n: int, k: int, silu: bool, *args: bool) -> Tile:
-        return overrides.get((n, k, silu)) or default(n, k, silu, *args)
+    def tile(n: int, k: int, silu: bool, fp8: bool = False) -> Tile:
+        return overrides.get((n, k, silu)) or default(n, k, silu, fp8)
 
     return tile
 
 
-def _precompile(shape: tuple[int, int, int], work: list[tuple[str, Tile]], fp8: bool, kernel: str) -> None:
+def _precompile(shape: tuple[int, int, int], work: list[tuple[str, Tile]], fp8: bool, by_bits: bool) -> None:
     """Worker: run each (kernel, tile) once so that Triton's on-disk cache holds it for the parent. A spawned
-    worker imports models.gemv afresh, so it is told the parent's FP8 kernel."""
-    use_fp8_kernel(kernel)
+    worker imports models.gemv afresh, so it is told the parent's widening (``by_bits``)."""
+    gemv.E4M3_BY_BITS = by_bits
     hidden, qkv, inter = shape
     keys = kernel_keys(hidden, qkv, inter)
     layer = make_layers(hidden, qkv, inter, count=1, fp8=fp8)[0]
     h = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
     act = torch.randn(1, inter, device="cuda", dtype=torch.bfloat16)
     calls = kernel_calls(h, act, hidden)
-    function = tile_function()
-    default = getattr(gemv, function)
+    default = gemv.tile
     for name, tile in work:
-        setattr(gemv, function, patched_tile({keys[name]: tile}))
+        gemv.tile = patched_tile({keys[name]: tile})
         calls[name](layer)
-    setattr(gemv, function, default)
+    gemv.tile = default
     torch.cuda.synchronize()
 
 
@@ -185,24 +164,20 @@ def sweep(layers: list[dict], hidden: int, qkv: int, inter: int, workers: int,
     work = [(name, t) for name, key in keys.items() for t in candidate_tiles(*key)]
     started = time.perf_counter()
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        pool.starmap(_precompile, [((hidden, qkv, inter), work[i::workers], fp8, fp8_kernel())
+        pool.starmap(_precompile, [((hidden, qkv, inter), work[i::workers], fp8, gemv.E4M3_BY_BITS)
                                    for i in range(workers)])
     print(f"  compiled {len(work)} tiles in {time.perf_counter() - started:.0f} s", flush=True)
     h = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
     attn = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
     stack = fused_stack(layers, h, attn)
-    function = tile_function()
-    default_function = getattr(gemv, function)
-
-    def default_tile(n: int, k: int, silu: bool, fp8: bool) -> Tile:
-        return default_function(n, k, silu) if function == "mma_tile" else default_function(n, k, silu, fp8)
+    default_tile = gemv.tile
 
     def stack_us(overrides: dict[KernelKey, Tile], repeats: int = 50) -> float:
-        setattr(gemv, function, patched_tile(overrides))
+        gemv.tile = patched_tile(overrides)
         try:
             return replay_us(stack, repeats) / len(layers)
         finally:
-            setattr(gemv, function, default_function)
+            gemv.tile = default_tile
 
     base = min(stack_us({}) for _ in range(3))
     best: dict[str, Tile] = {}
@@ -228,16 +203,13 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=12, help="processes compiling the swept tiles")
     parser.add_argument("--sweep-json", default=None, help="write every swept tile's time here")
     parser.add_argument("--fp8", action="store_true", help="e4m3 weights, fused kernels only")
-    parser.add_argument("--kernels", default=None,
-                        help=f"with --fp8: comma-separated, of {', '.join(FP8_KERNELS)} (default: the engine's); "
-                             "more than one: alternated three times")
+    parser.add_argument("--widening", choices=["cvt", "bits", "both"], default=None,
+                        help="with --fp8: how e4m3 becomes f16 (default: the engine's); both: alternated")
     args = parser.parse_args()
-    kernels = args.kernels.split(",") if args.kernels else [fp8_kernel()]
-    if unknown := [k for k in kernels if k not in FP8_KERNELS]:
-        parser.error(f"--kernels: unknown {', '.join(unknown)} (known: {', '.join(FP8_KERNELS)})")
-    if len(kernels) > 1 and args.sweep:
-        parser.error("--sweep takes one of --kernels")
-    use_fp8_kernel(kernels[0])
+    if args.widening == "both" and args.sweep:
+        parser.error("--sweep takes one --widening")
+    if args.widening in ("cvt", "bits"):
+        gemv.E4M3_BY_BITS = args.widening == "bits"
     record: dict[str, dict] = {}
     for shape in args.shapes.split(","):
         hidden, qkv, inter = SHAPES[shape]
@@ -248,10 +220,11 @@ def main() -> None:
         if args.sweep:
             sweep(layers, hidden, qkv, inter, args.workers, record.setdefault(shape, {}), args.fp8)
         if args.fp8:
-            for kernel in kernels * 3 if len(kernels) > 1 else kernels:
-                use_fp8_kernel(kernel)
+            widenings = [False, True] * 3 if args.widening == "both" else [gemv.E4M3_BY_BITS]
+            for by_bits in widenings:
+                gemv.E4M3_BY_BITS = by_bits
                 fused = replay_us(fused_stack(layers, h, attn)) / len(layers)
-                print(f"{shape:8}: fused FP8 ({kernel}) {fused:7.2f} us/layer "
+                print(f"{shape:8}: fused FP8 ({'bits' if by_bits else 'cvt'}) {fused:7.2f} us/layer "
                       f"{layer_kb / fused:5.0f} GB/s  [{len(layers)} layers]", flush=True)
             del layers
             continue

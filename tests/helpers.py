@@ -95,14 +95,6 @@ def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours.double() - ref.double()).abs().max() / ref.double().abs().max())
 
 
-def quantized_in_groups(x: torch.Tensor, group: int) -> torch.Tensor:
-    """float64 of ``x`` (one row) quantised to e4m3 with a scale per ``group`` inputs (amax / 448), dequantised:
-    what the tensor-core GEMV multiplies the weights by."""
-    groups = x.double().reshape(-1, group)
-    scale = groups.abs().amax(dim=1, keepdim=True).clamp_min(fp8.TINY) / fp8.FP8_MAX
-    return ((groups / scale).to(fp8.FP8).double() * scale).reshape(x.shape)
-
-
 def assert_same_quantization(got: fp8.QuantizedRows, values: torch.Tensor, scale: torch.Tensor,
                              exact_share: float, scale_rtol: float) -> None:
     """The scales equal within ``scale_rtol``; the values equal but for a share of ties one e4m3 step apart (a

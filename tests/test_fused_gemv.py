@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models import gemv
-from tests.helpers import make_engine, prefill_logits, quantized_in_groups, relative_error
+from tests.helpers import make_engine, prefill_logits, relative_error
 from tests.test_model_families import _families, _hf, _save_random
 
 
@@ -57,7 +57,6 @@ def test_fp8_weights_match_float64_of_the_dequantised_weights(n, k, outlier, by_
     must not overflow the f16 products."""
     from models import fp8
 
-    monkeypatch.setattr(gemv, "E4M3_TENSOR_CORES", False)
     monkeypatch.setattr(gemv, "E4M3_BY_BITS", by_bits)
 
     gen = torch.Generator().manual_seed(n * k)
@@ -88,51 +87,12 @@ def test_fp8_gemv_widens_every_e4m3_value_exactly(by_bits, monkeypatch):
     in f16 and float32, so the row's output is exactly 8 x its value, whichever way the weights are widened."""
     from models import fp8
 
-    monkeypatch.setattr(gemv, "E4M3_TENSOR_CORES", False)
     monkeypatch.setattr(gemv, "E4M3_BY_BITS", by_bits)
     codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
     values = codes[:, None].expand(-1, 8).contiguous().view(fp8.FP8)
     out = torch.zeros(1, len(codes))
     gemv.linear_add_(torch.ones(1, 8), values, None, out, torch.ones(len(codes)))
     assert torch.equal(out[0], 8 * values[:, 0].float())
-
-
-@pytest.mark.parametrize("n,k,group,split,outlier", [(64, 128, 128, 1, 0.0), (100, 512, 128, 2, 0.0),
-                                                     (200, 1024, 512, 1, 0.0), (200, 1024, 256, 4, 0.0),
-                                                     (130, 1024, 128, 8, 5000.0)])
-def test_fp8_gemv_on_tensor_cores_matches_float64_of_its_quantised_activations(n, k, group, split, outlier,
-                                                                               monkeypatch):
-    """The tensor-core FP8 GEMV quantises x (times the norm weight) to e4m3 with a scale per group of inputs:
-    float64 of the dequantised weights times x quantised that way, for every kernel, a program taking one
-    group or looping over several, K split 1-8 ways (the slices' sums added by the last program of a row
-    block), N not a multiple of the 64-row blocks, with bias, with outliers. Against x itself the e4m3 rounding
-    costs a few percent, as in the batched FP8 GEMMs."""
-    from models import fp8
-
-    monkeypatch.setattr(gemv, "E4M3_TENSOR_CORES", True)
-    monkeypatch.setattr(gemv, "TUNED_MMA_TILES", {(n, k, silu): (group, split, 4, 2) for silu in (False, True)})
-    gen = torch.Generator().manual_seed(n * k)
-    h, x = torch.randn(1, k, generator=gen), torch.randn(1, k, generator=gen)
-    if outlier:
-        h[0, ::97] = outlier
-        x[0, 1::97] = -outlier
-    norm_w = torch.rand(k, generator=gen) + 0.5
-    values, scale = fp8.quantize_rows(torch.randn(2 * n, k, generator=gen) * 0.1)
-    w = fp8.dequantize_rows(values, scale).double()
-    bias = torch.randn(2 * n, generator=gen)
-    rstd = torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True) + 1e-5)
-    scaled = h.double() * norm_w.double()
-
-    ours = gemv.norm_linear(h, norm_w, 1e-5, values[:n], bias[:n], scale[:n])
-    assert _rel(ours, rstd * quantized_in_groups(scaled, group) @ w[:n].T + bias[:n].double()) < 1e-5
-    assert _rel(ours, rstd * scaled @ w[:n].T + bias[:n].double()) < 0.05
-    gate_up = rstd * quantized_in_groups(scaled, group) @ w.T
-    ref = torch.nn.functional.silu(gate_up[:, :n]) * gate_up[:, n:]
-    assert _rel(gemv.norm_linear_silu(h, norm_w, 1e-5, values, None, scale), ref) < 1e-5
-    resid = torch.randn(1, n, generator=gen)
-    ref = resid.double() + quantized_in_groups(x, group) @ w[:n].T
-    gemv.linear_add_(x, values[:n], None, resid, scale[:n])
-    assert _rel(resid, ref) < 1e-5
 
 
 def test_fp8_weights_need_four_input_features_an_int32():
