@@ -6,7 +6,7 @@ import difflib
 from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass, make_dataclass
 from pathlib import Path
-from typing import Any, get_origin, get_type_hints
+from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -317,6 +317,7 @@ def load_config(paths: list[str | Path] | None = None, overrides: Sequence[str] 
             raise ConfigError(f"config file {file} must hold a mapping of sections, not {type(layer).__name__}")
         _check_sections(layer, schema, str(file))
         _text_as_written(layer, yaml_as_written(file.read_text(encoding="utf-8")), schema)
+        _decimal_keys_as_ints(layer, str(file))
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as exc:
@@ -340,6 +341,7 @@ def _merge_override(merged: DictConfig, item: str, schema: DictConfig) -> DictCo
         for part in reversed(key.split(".")):
             written = {part: written}
         _text_as_written(layer, written, schema)
+        _decimal_keys_as_ints(layer, f"override {item!r}")
         return OmegaConf.merge(merged, layer)
     except OmegaConfBaseException as exc:
         raise _explain(exc, schema, f"override {item!r}") from None
@@ -382,6 +384,38 @@ def _mapping_keys(schema: type, prefix: str = "") -> frozenset[str]:
 # Keys whose value is a mapping (sampling.logit_bias): flattened as one value, its keys as text, so a copy read
 # back from YAML or JSON (which writes keys as strings) equals the live config.
 MAPPING_VALUES = _mapping_keys(RuntimeConfig)
+
+
+def _int_keyed(schema: type, prefix: str = "") -> frozenset[str]:
+    """The keys of ``schema`` typed as a dict with int keys (token ids)."""
+    keys: set[str] = set()
+    for name, kind in get_type_hints(schema).items():
+        if is_dataclass(kind):
+            keys |= _int_keyed(kind, f"{prefix}{name}.")
+        elif get_origin(kind) is dict and get_args(kind)[0] is int:
+            keys.add(prefix + name)
+    return frozenset(keys)
+
+
+INT_KEYED = _int_keyed(RuntimeConfig)
+
+
+def _decimal_keys_as_ints(layer: DictConfig, where: str) -> None:
+    """Token ids written as quoted keys (``'50256': -100``, as JSON and most YAML writers write them) become
+    ints before the merge, which refuses text keys in an int-keyed mapping."""
+    for dotted in INT_KEYED:
+        node = OmegaConf.select(layer, dotted, default=None, throw_on_missing=False)
+        if not (isinstance(node, DictConfig) and any(isinstance(key, str) for key in node)):
+            continue
+        ints = {}
+        for key, value in node.items():
+            if isinstance(key, str):
+                if not (key.isascii() and key.isdigit()):
+                    raise ConfigError(f"{where}: {dotted} maps token ids (non-negative integers) to numbers; "
+                                      f"{key!r} is not one")
+                key = int(key)
+            ints[key] = value
+        OmegaConf.update(layer, dotted, ints, merge=False)
 
 
 def flatten(node: Any, prefix: str = "") -> dict[str, Any]:

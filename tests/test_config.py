@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -84,6 +85,30 @@ def test_to_yaml_round_trips(tmp_path):
     cfg = load_config([], ["cache.page_size=3", "sampling.top_p=0.5"])
     again = load_config([write(tmp_path, "dump.yaml", to_yaml(cfg))])
     assert again == cfg
+
+
+def test_token_ids_may_be_quoted_keys_as_json_writes_them(tmp_path):
+    """sampling.logit_bias keys are token ids: ``'50256'`` (JSON, most YAML writers, a sweep's override text)
+    reads as the int 50256, in a file and in an override, the same config as the unquoted key."""
+    unquoted = load_config([], ["sampling.logit_bias={50256: -100, 13: 2.5}"])
+    assert unquoted.sampling.logit_bias == {50256: -100.0, 13: 2.5}
+    path = write(tmp_path, "bias.yaml", """\
+        sampling:
+          logit_bias:
+            '50256': -100
+            "13": 2.5
+        """)
+    assert load_config([path]) == unquoted
+    assert load_config([], ["""sampling.logit_bias={'50256': -100, "13": 2.5}"""]) == unquoted
+
+
+@pytest.mark.parametrize("key", ["abc", "-1", "1.5"])
+def test_a_logit_bias_key_that_is_no_token_id_is_named(tmp_path, key):
+    path = write(tmp_path, "bias.yaml", f"sampling:\n  logit_bias:\n    '{key}': 1\n")
+    with pytest.raises(ConfigError, match=f"bias.yaml: sampling.logit_bias maps token ids .*'{re.escape(key)}' is not one"):
+        load_config([path])
+    with pytest.raises(ConfigError, match=f"sampling.logit_bias maps token ids .*'{re.escape(key)}' is not one"):
+        load_config([], [f"sampling.logit_bias={{'{key}': 1}}"])
 
 
 # ---------------------------------------------------------------------------------------------------------
