@@ -319,7 +319,7 @@ def load_config(paths: list[str | Path] | None = None, overrides: Sequence[str] 
         _text_as_written(layer, yaml_as_written(file.read_text(encoding="utf-8")), schema)
         _decimal_keys_as_ints(layer, str(file))
         try:
-            merged = OmegaConf.merge(merged, layer)
+            merged = _merge_layer(merged, layer)
         except OmegaConfBaseException as exc:
             raise _explain(exc, schema, str(file)) from None
     return _with_overrides(merged, overrides, schema)
@@ -342,7 +342,7 @@ def _merge_override(merged: DictConfig, item: str, schema: DictConfig) -> DictCo
             written = {part: written}
         _text_as_written(layer, written, schema)
         _decimal_keys_as_ints(layer, f"override {item!r}")
-        return OmegaConf.merge(merged, layer)
+        return _merge_layer(merged, layer)
     except OmegaConfBaseException as exc:
         raise _explain(exc, schema, f"override {item!r}") from None
     except ConfigError:
@@ -398,6 +398,18 @@ def _int_keyed(schema: type, prefix: str = "") -> frozenset[str]:
 
 
 INT_KEYED = _int_keyed(RuntimeConfig)
+
+
+def _merge_layer(merged: DictConfig, layer: DictConfig) -> DictConfig:
+    """``layer`` over ``merged``; a mapping value (sampling.logit_bias) the layer sets replaces the one before
+    whole, as any other value does: merged key by key, ``{}`` could not clear it, nor a sweep's run drop a bias
+    its base config sets."""
+    out = OmegaConf.merge(merged, layer)
+    for dotted in MAPPING_VALUES:
+        value = OmegaConf.select(layer, dotted, default=None, throw_on_missing=False)
+        if isinstance(value, DictConfig):
+            OmegaConf.update(out, dotted, value, merge=False)
+    return out
 
 
 def _decimal_keys_as_ints(layer: DictConfig, where: str) -> None:

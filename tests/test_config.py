@@ -102,6 +102,18 @@ def test_token_ids_may_be_quoted_keys_as_json_writes_them(tmp_path):
     assert load_config([], ["""sampling.logit_bias={'50256': -100, "13": 2.5}"""]) == unquoted
 
 
+def test_a_later_logit_bias_replaces_the_earlier_whole(tmp_path):
+    """A mapping is one value: a later file or an override (as a sweep's run gives it) replaces it, and ``{}``
+    clears it, where a key-by-key merge would keep the base config's biases."""
+    base = write(tmp_path, "base.yaml", "sampling:\n  logit_bias:\n    50256: -100\n    13: 2\n")
+    assert load_config([base]).sampling.logit_bias == {50256: -100.0, 13: 2.0}
+    assert load_config([base], ["sampling.logit_bias={7: 1}"]).sampling.logit_bias == {7: 1.0}
+    assert load_config([base], ["sampling.logit_bias={}"]).sampling.logit_bias == {}
+    later = write(tmp_path, "later.yaml", "sampling:\n  logit_bias: {'13': 5}\n")
+    assert load_config([base, later]).sampling.logit_bias == {13: 5.0}
+    assert load_config([base], ["sampling.top_p=0.5"]).sampling.logit_bias == {50256: -100.0, 13: 2.0}
+
+
 @pytest.mark.parametrize("key", ["abc", "-1", "1.5"])
 def test_a_logit_bias_key_that_is_no_token_id_is_named(tmp_path, key):
     path = write(tmp_path, "bias.yaml", f"sampling:\n  logit_bias:\n    '{key}': 1\n")

@@ -392,6 +392,20 @@ def test_a_sweep_files_values_reach_text_keys_as_written(model_dir, rows, tmp_pa
     assert len({r.name for r in runs}) == len(runs) == 8
 
 
+def test_a_swept_logit_bias_replaces_the_base_configs(model_dir, rows, tmp_path):
+    """Each run's bias is its axis value whole (``{}``: none), not merged into the bias the base config sets;
+    token ids as quoted keys, as JSON writes them, read as ints."""
+    base = tmp_path / "base.yaml"
+    base.write_text("sampling:\n  logit_bias: {50256: -100}\n")
+    file = tmp_path / "sweep.yaml"
+    file.write_text(yaml.safe_dump({"base": [str(base)], "overrides": base_overrides(model_dir, rows),
+                                    "out": str(tmp_path / "out")})
+                    + "grid:\n  sampling.logit_bias: [{}, {'13': 5}, {50256: -100, 7: 1}]\n")
+    runs = plan_runs(load_sweep_file(file))
+    assert [r.cfg.sampling.logit_bias for r in runs] == [{}, {13: 5.0}, {50256: -100.0, 7: 1.0}]
+    assert len({r.name for r in runs}) == 3
+
+
 def test_axes_merged_in_by_a_yaml_merge_key_keep_their_values(model_dir, rows, tmp_path):
     """A merge key (``<<: *anchor``, ``<<: {...}``) is merged by YAML's reading, not by the as-written one: each
     axis must still get its own values, not those of the key beside it."""
