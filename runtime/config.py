@@ -370,34 +370,21 @@ def _with_overrides(merged: DictConfig, overrides: Sequence[str] | None, schema:
     return cfg
 
 
-def _mapping_keys(schema: type, prefix: str = "") -> frozenset[str]:
-    """The keys of ``schema`` typed as a dict: a value, not a section."""
-    keys: set[str] = set()
+def _mapping_keys(schema: type, prefix: str = "") -> dict[str, type]:
+    """The keys of ``schema`` typed as a dict (a value, not a section), with the type of their keys."""
+    keys: dict[str, type] = {}
     for name, kind in get_type_hints(schema).items():
         if is_dataclass(kind):
             keys |= _mapping_keys(kind, f"{prefix}{name}.")
         elif get_origin(kind) is dict:
-            keys.add(prefix + name)
-    return frozenset(keys)
+            keys[prefix + name] = get_args(kind)[0]
+    return keys
 
 
 # Keys whose value is a mapping (sampling.logit_bias): flattened as one value, its keys as text, so a copy read
 # back from YAML or JSON (which writes keys as strings) equals the live config.
-MAPPING_VALUES = _mapping_keys(RuntimeConfig)
-
-
-def _int_keyed(schema: type, prefix: str = "") -> frozenset[str]:
-    """The keys of ``schema`` typed as a dict with int keys (token ids)."""
-    keys: set[str] = set()
-    for name, kind in get_type_hints(schema).items():
-        if is_dataclass(kind):
-            keys |= _int_keyed(kind, f"{prefix}{name}.")
-        elif get_origin(kind) is dict and get_args(kind)[0] is int:
-            keys.add(prefix + name)
-    return frozenset(keys)
-
-
-INT_KEYED = _int_keyed(RuntimeConfig)
+MAPPING_VALUES = frozenset(_mapping_keys(RuntimeConfig))
+INT_KEYED = frozenset(key for key, key_type in _mapping_keys(RuntimeConfig).items() if key_type is int)
 
 
 def _merge_layer(merged: DictConfig, layer: DictConfig) -> DictConfig:
