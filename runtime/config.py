@@ -13,7 +13,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from omegaconf.nodes import StringNode
 
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import SamplingParams, token_id
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -317,9 +317,8 @@ def load_config(paths: list[str | Path] | None = None, overrides: Sequence[str] 
             raise ConfigError(f"config file {file} must hold a mapping of sections, not {type(layer).__name__}")
         _check_sections(layer, schema, str(file))
         _text_as_written(layer, yaml_as_written(file.read_text(encoding="utf-8")), schema)
-        _decimal_keys_as_ints(layer, str(file))
         try:
-            merged = _merge_layer(merged, layer)
+            merged = _merge_layer(merged, layer, str(file))
         except OmegaConfBaseException as exc:
             raise _explain(exc, schema, str(file)) from None
     return _with_overrides(merged, overrides, schema)
@@ -341,8 +340,7 @@ def _merge_override(merged: DictConfig, item: str, schema: DictConfig) -> DictCo
         for part in reversed(key.split(".")):
             written = {part: written}
         _text_as_written(layer, written, schema)
-        _decimal_keys_as_ints(layer, f"override {item!r}")
-        return _merge_layer(merged, layer)
+        return _merge_layer(merged, layer, f"override {item!r}")
     except OmegaConfBaseException as exc:
         raise _explain(exc, schema, f"override {item!r}") from None
     except ConfigError:
@@ -381,40 +379,37 @@ def _mapping_keys(schema: type, prefix: str = "") -> dict[str, type]:
     return keys
 
 
-# Keys whose value is a mapping (sampling.logit_bias): flattened as one value, its keys as text, so a copy read
-# back from YAML or JSON (which writes keys as strings) equals the live config.
-MAPPING_VALUES = frozenset(_mapping_keys(RuntimeConfig))
-INT_KEYED = frozenset(key for key, key_type in _mapping_keys(RuntimeConfig).items() if key_type is int)
+# Keys whose value is a mapping (sampling.logit_bias), with the type of its keys: flattened as one value, its keys
+# as text, so a copy read back from YAML or JSON (which writes keys as strings) equals the live config.
+MAPPINGS = _mapping_keys(RuntimeConfig)
+MAPPING_VALUES = frozenset(MAPPINGS)
 
 
-def _merge_layer(merged: DictConfig, layer: DictConfig) -> DictConfig:
-    """``layer`` over ``merged``; a mapping value (sampling.logit_bias) the layer sets replaces the one before
-    whole, as any other value does: merged key by key, ``{}`` could not clear it, nor a sweep's run drop a bias
-    its base config sets."""
+def _merge_layer(merged: DictConfig, layer: DictConfig, where: str) -> DictConfig:
+    """``layer`` over ``merged``. A mapping the layer sets replaces the one before whole, as any other value
+    does (merged key by key, ``{}`` could not clear it, nor a sweep's run drop a bias its base config sets); int
+    keys are token ids, quoted or not (``'50256': -100``, as JSON and most YAML writers write them)."""
+    mappings: dict[str, dict[Any, Any]] = {}
+    for dotted, key_type in MAPPINGS.items():
+        section, _, name = dotted.rpartition(".")
+        parent = OmegaConf.select(layer, section, default=None, throw_on_missing=False)
+        if not isinstance(parent, DictConfig) or not isinstance(parent.get(name), DictConfig):
+            continue
+        mappings[dotted] = {_mapping_key(key, key_type, dotted, where): value
+                            for key, value in parent.pop(name).items()}
     out = OmegaConf.merge(merged, layer)
-    for dotted in MAPPING_VALUES:
-        value = OmegaConf.select(layer, dotted, default=None, throw_on_missing=False)
-        if isinstance(value, DictConfig):
-            OmegaConf.update(out, dotted, value, merge=False)
+    for dotted, value in mappings.items():
+        OmegaConf.update(out, dotted, value, merge=False)
     return out
 
 
-def _decimal_keys_as_ints(layer: DictConfig, where: str) -> None:
-    """Token ids written as quoted keys (``'50256': -100``, as JSON and most YAML writers write them) become
-    ints before the merge, which refuses text keys in an int-keyed mapping."""
-    for dotted in INT_KEYED:
-        node = OmegaConf.select(layer, dotted, default=None, throw_on_missing=False)
-        if not (isinstance(node, DictConfig) and any(isinstance(key, str) for key in node)):
-            continue
-        ints = {}
-        for key, value in node.items():
-            if isinstance(key, str):
-                if not (key.isascii() and key.isdigit()):
-                    raise ConfigError(f"{where}: {dotted} maps token ids (non-negative integers) to numbers; "
-                                      f"{key!r} is not one")
-                key = int(key)
-            ints[key] = value
-        OmegaConf.update(layer, dotted, ints, merge=False)
+def _mapping_key(key: Any, key_type: type, dotted: str, where: str) -> Any:
+    if key_type is not int:
+        return key
+    token = token_id(key)
+    if token is None:
+        raise ConfigError(f"{where}: {dotted} maps token ids (non-negative integers) to numbers; {key!r} is not one")
+    return token
 
 
 def flatten(node: Any, prefix: str = "") -> dict[str, Any]:

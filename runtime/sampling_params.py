@@ -143,22 +143,31 @@ def _finite(value: numbers.Real) -> bool:
         return False
 
 
+def token_id(key: object) -> int | None:
+    """A mapping key as a token id: a non-negative integer or its decimal string (JSON and most YAML writers
+    write mapping keys as strings: "50256"); None for anything else."""
+    if isinstance(key, str) and key.isascii() and key.isdigit():
+        return int(key)
+    if isinstance(key, numbers.Integral) and not isinstance(key, bool) and key >= 0:
+        return int(key)
+    return None
+
+
 def _token_biases(biases: object, bad: Callable[[str, str], ValueError]) -> dict[int, float]:
-    """``logit_bias`` with int keys and float values: JSON writes token ids as strings ("50256")."""
+    """``logit_bias`` with int keys and float values."""
     why = (f"must map token ids (integers, or their decimal strings as JSON writes them) to numbers in "
            f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
     if not isinstance(biases, Mapping):
         raise bad("logit_bias", why)
     out: dict[int, float] = {}
     for key, value in biases.items():
-        if isinstance(key, str) and key.isascii() and key.isdigit():
-            key = int(key)
-        if not isinstance(key, numbers.Integral) or isinstance(key, bool) or key < 0:
+        token = token_id(key)
+        if token is None:
             raise bad("logit_bias", why)
         if not isinstance(value, numbers.Real) or isinstance(value, bool) or not _finite(value) \
                 or abs(value) > MAX_LOGIT_BIAS:
             raise bad("logit_bias", why)
-        if int(key) in out:
-            raise bad("logit_bias", f"names token {int(key)} twice")
-        out[int(key)] = float(value)
+        if token in out:
+            raise bad("logit_bias", f"names token {token} twice")
+        out[token] = float(value)
     return out
