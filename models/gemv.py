@@ -143,21 +143,74 @@ if triton is not None:
         return (low + high).to(tl.float16).to(tl.float32)
 
     @triton.jit
-    def _dot4_e4m3(w, x01, x23, INTERPRET: tl.constexpr):
-        """The four e4m3 weights of int32 ``w`` times x packed in f16 pairs: products in f16x2 (two summed per half),
-        the halves added in f16 and widened once. Three conversions for four weights, where converting each weight
-        to float32 costs four, and Hopper converts at a quarter of its FMA rate."""
+    def _e4m3_pair_bits(w, i: tl.constexpr):
+        """The f16 whose bits are e4m3 bytes 2i and 2i + 1 of ``w`` moved by integer ops (``_dot4``'s PTX): each
+        byte sign-extended to 16 bits, shifted left by 7 and masked, which puts the sign in bit 15 and the
+        exponent and mantissa in bits 7-13, reading as the e4m3 value times 2^-8 (subnormals included)."""
+        halves = ((w >> (16 * i)) & 0xFF) | (((w >> (16 * i + 8)) & 0xFF) << 16)
+        signs = ((halves & 0x00800080) >> 7) * 0xFF00  # prmt's sign-extension: 0xFF00 in each negative half
+        return ((halves | signs) << 7) & 0xBF80BF80
+
+    @triton.jit
+    def _dot4(w, x01, x23, WIDEN: tl.constexpr, INTERPRET: tl.constexpr):
+        """The four e4m3 weights of int32 ``w`` times x packed in f16 pairs (x0 x1, x2 x3): products in f16x2 (two
+        summed per half), the halves added in f16 and widened once. Each pair of weights becomes an f16x2 by one
+        conversion instruction (WIDEN "cvt"), by three integer ops ("bits": the pair then holds 2^-8 of its values,
+        which x's scale makes up), or the first pair one way and the second the other ("mixed"): Hopper converts
+        at a quarter of its integer-op rate, so the mix keeps both units busy."""
         if INTERPRET:  # the interpreter runs no PTX: the same sums by integer ops
             wu = w.to(tl.uint32, bitcast=True)
-            return _f16x2_dot_emulated(_e4m3_byte(wu, 0), _e4m3_byte(wu, 1), _e4m3_byte(wu, 2), _e4m3_byte(wu, 3),
-                                       x01, x23)
+            lo0, hi0 = _e4m3_byte(wu, 0), _e4m3_byte(wu, 1)
+            if WIDEN == "bits":
+                first = _e4m3_pair_bits(wu, 0)
+                lo0, hi0 = _f16_half(first, 0), _f16_half(first, 1)
+            lo1, hi1 = _e4m3_byte(wu, 2), _e4m3_byte(wu, 3)
+            if WIDEN != "cvt":
+                second = _e4m3_pair_bits(wu, 1)
+                lo1, hi1 = _f16_half(second, 0), _f16_half(second, 1)
+            return _f16x2_dot_emulated(lo0, hi0, lo1, hi1, x01, x23)
+        if WIDEN == "cvt":
+            return tl.inline_asm_elementwise(
+                """{
+                .reg .b16 w01, w23, s0, s1;
+                .reg .b32 h01, h23, p;
+                mov.b32 {w01, w23}, $1;
+                cvt.rn.f16x2.e4m3x2 h01, w01;
+                cvt.rn.f16x2.e4m3x2 h23, w23;
+                mul.rn.f16x2 p, h01, $2;
+                fma.rn.f16x2 p, h23, $3, p;
+                mov.b32 {s0, s1}, p;
+                add.rn.f16 s0, s0, s1;
+                cvt.f32.f16 $0, s0;
+                }""",
+                "=f,r,r,r", [w, x01, x23], dtype=tl.float32, is_pure=True, pack=1)
+        if WIDEN == "bits":
+            return tl.inline_asm_elementwise(
+                """{
+                .reg .b16 s0, s1;
+                .reg .b32 h01, h23, p;
+                prmt.b32 h01, $1, 0, 0x9180;
+                prmt.b32 h23, $1, 0, 0xB3A2;
+                shl.b32 h01, h01, 7;
+                shl.b32 h23, h23, 7;
+                and.b32 h01, h01, 0xBF80BF80;
+                and.b32 h23, h23, 0xBF80BF80;
+                mul.rn.f16x2 p, h01, $2;
+                fma.rn.f16x2 p, h23, $3, p;
+                mov.b32 {s0, s1}, p;
+                add.rn.f16 s0, s0, s1;
+                cvt.f32.f16 $0, s0;
+                }""",
+                "=f,r,r,r", [w, x01, x23], dtype=tl.float32, is_pure=True, pack=1)
         return tl.inline_asm_elementwise(
             """{
             .reg .b16 w01, w23, s0, s1;
             .reg .b32 h01, h23, p;
             mov.b32 {w01, w23}, $1;
             cvt.rn.f16x2.e4m3x2 h01, w01;
-            cvt.rn.f16x2.e4m3x2 h23, w23;
+            prmt.b32 h23, $1, 0, 0xB3A2;
+            shl.b32 h23, h23, 7;
+            and.b32 h23, h23, 0xBF80BF80;
             mul.rn.f16x2 p, h01, $2;
             fma.rn.f16x2 p, h23, $3, p;
             mov.b32 {s0, s1}, p;
@@ -167,50 +220,10 @@ if triton is not None:
             "=f,r,r,r", [w, x01, x23], dtype=tl.float32, is_pure=True, pack=1)
 
     @triton.jit
-    def _dot4_e4m3_bits(w, x02, x13, INTERPRET: tl.constexpr):
-        """``_dot4_e4m3`` with no conversion instruction for the weights: integer ops move each e4m3's sign to bit
-        15 of an f16 and its exponent and mantissa to bits 7-13, which reads as the e4m3 value times 2^-8
-        (subnormals included). Hopper issues those ops at several times its conversion rate. The pairs are bytes
-        0 and 2, then 1 and 3, so x comes packed the same way (``x02``, ``x13``)."""
-        if INTERPRET:  # the same bit moves by integer ops
-            wu = w.to(tl.uint32, bitcast=True)
-            even = ((wu << 8) & 0x80008000) | ((wu << 7) & 0x3F803F80)
-            odd = (wu & 0x80008000) | ((wu >> 1) & 0x3F803F80)
-            return _f16x2_dot_emulated(_f16_half(even, 0), _f16_half(even, 1), _f16_half(odd, 0), _f16_half(odd, 1),
-                                       x02, x13)
-        return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 t, e, o, p;
-            .reg .b16 s0, s1;
-            shl.b32 t, $1, 8;
-            and.b32 t, t, 0x80008000;
-            shl.b32 e, $1, 7;
-            and.b32 e, e, 0x3F803F80;
-            or.b32 e, e, t;
-            shr.b32 o, $1, 1;
-            and.b32 o, o, 0x3F803F80;
-            and.b32 t, $1, 0x80008000;
-            or.b32 o, o, t;
-            mul.rn.f16x2 p, e, $2;
-            fma.rn.f16x2 p, o, $3, p;
-            mov.b32 {s0, s1}, p;
-            add.rn.f16 s0, s0, s1;
-            cvt.f32.f16 $0, s0;
-            }""",
-            "=f,r,r,r", [w, x02, x13], dtype=tl.float32, is_pure=True, pack=1)
-
-    @triton.jit
-    def _dot4(w, xa, xb, BITS: tl.constexpr, INTERPRET: tl.constexpr):
-        if BITS:
-            return _dot4_e4m3_bits(w, xa, xb, INTERPRET)
-        return _dot4_e4m3(w, xa, xb, INTERPRET)
-
-    @triton.jit
-    def _x_quads(x_ptr, norm_ptr, q, KQ: tl.constexpr, NORM: tl.constexpr, X_SCALE: tl.constexpr,
-                 BITS: tl.constexpr, INTERPRET: tl.constexpr):
-        """x[4q .. 4q+3] (times the norm weight) scaled by X_SCALE and packed as two f16 pairs (x0 x1, x2 x3; with
-        BITS x0 x2, x1 x3), and with NORM the sum of their squares. Each quad is one vector load, split in
-        registers."""
+    def _x_quads(x_ptr, norm_ptr, q, KQ: tl.constexpr, NORM: tl.constexpr, X01_SCALE: tl.constexpr,
+                 X23_SCALE: tl.constexpr, INTERPRET: tl.constexpr):
+        """x[4q .. 4q+3] (times the norm weight) packed as two f16 pairs, x0 x1 scaled by X01_SCALE and x2 x3 by
+        X23_SCALE, and with NORM the sum of their squares. Each quad is one vector load, split in registers."""
         ok = (q < KQ)[:, None]
         at = 4 * q[:, None] + tl.arange(0, 4)[None, :]
         x = tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32)
@@ -218,22 +231,21 @@ if triton is not None:
         if NORM:
             sq = tl.sum(x * x, axis=1)
             x = x * tl.load(norm_ptr + at, mask=ok, other=0.0).to(tl.float32)
-        even, odd = tl.split(tl.reshape(x * X_SCALE, (x.shape[0], 2, 2)))  # [q, i]: x[4q + 2i], x[4q + 2i + 1]
+        even, odd = tl.split(tl.reshape(x, (x.shape[0], 2, 2)))  # [q, i]: x[4q + 2i], x[4q + 2i + 1]
         x0, x2 = tl.split(even)
         x1, x3 = tl.split(odd)
-        if BITS:
-            return _pack_f16x2(x0, x2, INTERPRET), _pack_f16x2(x1, x3, INTERPRET), sq
-        return _pack_f16x2(x0, x1, INTERPRET), _pack_f16x2(x2, x3, INTERPRET), sq
+        return (_pack_f16x2(x0 * X01_SCALE, x1 * X01_SCALE, INTERPRET),
+                _pack_f16x2(x2 * X23_SCALE, x3 * X23_SCALE, INTERPRET), sq)
 
     @triton.jit
     def _row_gemv_e4m3(
         x_ptr, w_ptr, scale_ptr, bias_ptr, norm_ptr, out_ptr, eps, N: tl.constexpr, K: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr, ADD: tl.constexpr,
-        HAS_BIAS: tl.constexpr, PDL: tl.constexpr, X_SCALE: tl.constexpr, PRODUCT_SCALE: tl.constexpr,
-        BITS: tl.constexpr, INTERPRET: tl.constexpr,
+        HAS_BIAS: tl.constexpr, PDL: tl.constexpr, PRODUCT_SCALE: tl.constexpr,
+        X01_SCALE: tl.constexpr, X23_SCALE: tl.constexpr, WIDEN: tl.constexpr, INTERPRET: tl.constexpr,
     ):
-        """``_row_gemv`` for e4m3 weights read as int32 (``w_ptr``: four weights each, K % 4 == 0); BITS: widened
-        by ``_dot4_e4m3_bits``, else ``_dot4_e4m3``."""
+        """``_row_gemv`` for e4m3 weights read as int32 (``w_ptr``: four weights each, K % 4 == 0), widened as
+        WIDEN says (``_dot4``)."""
         KQ: tl.constexpr = K // 4
         BQ: tl.constexpr = BLOCK_K // 4
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -249,20 +261,20 @@ if triton is not None:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        xa, xb, sq = _x_quads(x_ptr, norm_ptr, q, KQ, NORM, X_SCALE, BITS, INTERPRET)
-        acc = _dot4(w, xa[None, :], xb[None, :], BITS, INTERPRET)
-        acc_up = _dot4(up, xa[None, :], xb[None, :], BITS, INTERPRET) if SILU else acc
+        xa, xb, sq = _x_quads(x_ptr, norm_ptr, q, KQ, NORM, X01_SCALE, X23_SCALE, INTERPRET)
+        acc = _dot4(w, xa[None, :], xb[None, :], WIDEN, INTERPRET)
+        acc_up = _dot4(up, xa[None, :], xb[None, :], WIDEN, INTERPRET) if SILU else acc
         for q0 in range(BQ, KQ, BQ):
             qk = q0 + q
-            xa, xb, part = _x_quads(x_ptr, norm_ptr, qk, KQ, NORM, X_SCALE, BITS, INTERPRET)
+            xa, xb, part = _x_quads(x_ptr, norm_ptr, qk, KQ, NORM, X01_SCALE, X23_SCALE, INTERPRET)
             if NORM:
                 sq += part
             w_ok = n_ok[:, None] & (qk < KQ)[None, :]
             w = tl.load(w_rows + qk[None, :], mask=w_ok, other=0, eviction_policy="evict_first")
-            acc += _dot4(w, xa[None, :], xb[None, :], BITS, INTERPRET)
+            acc += _dot4(w, xa[None, :], xb[None, :], WIDEN, INTERPRET)
             if SILU:
                 up = tl.load(w_rows + N * KQ + qk[None, :], mask=w_ok, other=0, eviction_policy="evict_first")
-                acc_up += _dot4(up, xa[None, :], xb[None, :], BITS, INTERPRET)
+                acc_up += _dot4(up, xa[None, :], xb[None, :], WIDEN, INTERPRET)
         _finish_rows(acc, acc_up, sq, n, n_ok, scale_ptr, bias_ptr, out_ptr, eps, N, K, NORM, SILU, ADD, HAS_BIAS,
                      PRODUCT_SCALE)
 
@@ -279,15 +291,25 @@ def use_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-# Products enter f16 scaled by 2^-9 (x by 2^-9, or with E4M3_BY_BITS by 1/2 times the widened weights' 2^-8): four
-# are summed in f16, finite while |x * norm weight| < 65504 * 512 / 448 / 4, about 18,700 (a bf16 residual that
-# large is already broken); x scaled in f16 loses bits below 2^-5, the products below ~2^-15, not the sum.
+# Products enter f16 scaled by 2^-9 (x by 2^-9 where a conversion widens the weights, by 1/2 where integer ops
+# widen them to 2^-8 of their values): four are summed in f16, finite while |x * norm weight| < 65504 * 512 / 448
+# / 4, about 18,700 (a bf16 residual that large is already broken); x scaled by 2^-9 in f16 loses bits below
+# 2^-5, the products below ~2^-15, not the sum.
 E4M3_X_SCALE = 1.0 / 512
 E4M3_BITS_X_SCALE = 0.5
-# Widen e4m3 to f16 by integer ops (``_dot4_e4m3_bits``) instead of conversion instructions: the same products
-# wherever |x| >= 2^-5. Off: 5% slower on an H100's one-request step, where the layers are DRAM-bound; for the
-# H200, whose FP8 layers are bound by conversions, measure it (scripts/bench_gemv.py --fp8 --widening both).
-E4M3_BY_BITS = False
+# How the one-request layers widen e4m3 pairs to f16 (``_dot4``): "cvt" (conversion instructions), "bits" (integer
+# ops) or "mixed" (one pair each way). Measure with scripts/bench_gemv.py --fp8 --widening all.
+E4M3_WIDENINGS = ("cvt", "bits", "mixed")
+E4M3_WIDENING = "cvt"
+
+
+def _x_scales(widening: str) -> tuple[float, float]:
+    """x's scale for the first and the second pair of each quad of weights."""
+    if widening not in E4M3_WIDENINGS:
+        raise ValueError(f"models.gemv.E4M3_WIDENING must be one of {E4M3_WIDENINGS}, got {widening!r}")
+    first = E4M3_BITS_X_SCALE if widening == "bits" else E4M3_X_SCALE
+    second = E4M3_X_SCALE if widening == "cvt" else E4M3_BITS_X_SCALE
+    return first, second
 
 
 # Swept shapes whose best tile beats ``tile``'s rule in the engine (scripts/bench_gemv.py --sweep).
@@ -328,11 +350,12 @@ def _launch(
     if scale is not None:
         if k % 4:
             raise ValueError(f"FP8 weights in the fused GEMV are read four to an int32: {k} input features")
+        x01_scale, x23_scale = _x_scales(E4M3_WIDENING)
         _row_gemv_e4m3[(triton.cdiv(n, block_n),)](
             x, weight.view(torch.int32), scale, bias if bias is not None else scale,
             norm if norm is not None else scale, out, eps, N=n, K=k, BLOCK_N=block_n, BLOCK_K=block_k,
             NORM=norm is not None, SILU=silu, ADD=add, HAS_BIAS=bias is not None, PDL=pdl,
-            X_SCALE=E4M3_BITS_X_SCALE if E4M3_BY_BITS else E4M3_X_SCALE, PRODUCT_SCALE=E4M3_X_SCALE, BITS=E4M3_BY_BITS,
+            PRODUCT_SCALE=E4M3_X_SCALE, X01_SCALE=x01_scale, X23_SCALE=x23_scale, WIDEN=E4M3_WIDENING,
             INTERPRET=INTERPRET, launch_pdl=pdl, num_warps=warps, num_stages=stages,
         )
         return

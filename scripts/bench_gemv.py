@@ -1,10 +1,11 @@
 """Micro-benchmark: a decoder layer's weight passes for one token, unfused against fused, in CUDA graphs.
 
-    python scripts/bench_gemv.py [--shapes 1B,8B,SmolLM2] [--sweep] [--fp8 [--widening cvt|bits|both]]
+    python scripts/bench_gemv.py [--shapes 1B,8B,SmolLM2] [--sweep] [--fp8 [--widening cvt|bits|mixed|all]]
 
 The stack is deep enough that L2 never serves the weights; ``--sweep`` varies one kernel's tile at a time;
 ``--fp8`` times e4m3 weights with a scale per row (the fused kernels only), widened to f16 by conversion
-instructions (cvt) or integer ops (bits: ``models.gemv.E4M3_BY_BITS``); ``both`` alternates them three times.
+instructions (cvt), integer ops (bits) or one pair each way (mixed: ``models.gemv.E4M3_WIDENING``); ``all``
+alternates the three, three times.
 """
 
 from __future__ import annotations
@@ -128,10 +129,10 @@ def patched_tile(overrides: dict[KernelKey, Tile]) -> Callable[[int, int, bool, 
     return tile
 
 
-def _precompile(shape: tuple[int, int, int], work: list[tuple[str, Tile]], fp8: bool, by_bits: bool) -> None:
+def _precompile(shape: tuple[int, int, int], work: list[tuple[str, Tile]], fp8: bool, widening: str) -> None:
     """Worker: run each (kernel, tile) once so that Triton's on-disk cache holds it for the parent. A spawned
-    worker imports models.gemv afresh, so it is told the parent's widening (``by_bits``)."""
-    gemv.E4M3_BY_BITS = by_bits
+    worker imports models.gemv afresh, so it is told the parent's widening."""
+    gemv.E4M3_WIDENING = widening
     hidden, qkv, inter = shape
     keys = kernel_keys(hidden, qkv, inter)
     layer = make_layers(hidden, qkv, inter, count=1, fp8=fp8)[0]
@@ -164,7 +165,7 @@ def sweep(layers: list[dict], hidden: int, qkv: int, inter: int, workers: int,
     work = [(name, t) for name, key in keys.items() for t in candidate_tiles(*key)]
     started = time.perf_counter()
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        pool.starmap(_precompile, [((hidden, qkv, inter), work[i::workers], fp8, gemv.E4M3_BY_BITS)
+        pool.starmap(_precompile, [((hidden, qkv, inter), work[i::workers], fp8, gemv.E4M3_WIDENING)
                                    for i in range(workers)])
     print(f"  compiled {len(work)} tiles in {time.perf_counter() - started:.0f} s", flush=True)
     h = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
@@ -203,13 +204,13 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=12, help="processes compiling the swept tiles")
     parser.add_argument("--sweep-json", default=None, help="write every swept tile's time here")
     parser.add_argument("--fp8", action="store_true", help="e4m3 weights, fused kernels only")
-    parser.add_argument("--widening", choices=["cvt", "bits", "both"], default=None,
-                        help="with --fp8: how e4m3 becomes f16 (default: the engine's); both: alternated")
+    parser.add_argument("--widening", choices=[*gemv.E4M3_WIDENINGS, "all"], default=None,
+                        help="with --fp8: how e4m3 becomes f16 (default: the engine's); all: each, alternated")
     args = parser.parse_args()
-    if args.widening == "both" and args.sweep:
+    if args.widening == "all" and args.sweep:
         parser.error("--sweep takes one --widening")
-    if args.widening in ("cvt", "bits"):
-        gemv.E4M3_BY_BITS = args.widening == "bits"
+    if args.widening in gemv.E4M3_WIDENINGS:
+        gemv.E4M3_WIDENING = args.widening
     record: dict[str, dict] = {}
     for shape in args.shapes.split(","):
         hidden, qkv, inter = SHAPES[shape]
@@ -220,11 +221,11 @@ def main() -> None:
         if args.sweep:
             sweep(layers, hidden, qkv, inter, args.workers, record.setdefault(shape, {}), args.fp8)
         if args.fp8:
-            widenings = [False, True] * 3 if args.widening == "both" else [gemv.E4M3_BY_BITS]
-            for by_bits in widenings:
-                gemv.E4M3_BY_BITS = by_bits
+            widenings = list(gemv.E4M3_WIDENINGS) * 3 if args.widening == "all" else [gemv.E4M3_WIDENING]
+            for widening in widenings:
+                gemv.E4M3_WIDENING = widening
                 fused = replay_us(fused_stack(layers, h, attn)) / len(layers)
-                print(f"{shape:8}: fused FP8 ({'bits' if by_bits else 'cvt'}) {fused:7.2f} us/layer "
+                print(f"{shape:8}: fused FP8 ({widening}) {fused:7.2f} us/layer "
                       f"{layer_kb / fused:5.0f} GB/s  [{len(layers)} layers]", flush=True)
             del layers
             continue

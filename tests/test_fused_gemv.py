@@ -48,16 +48,16 @@ def test_kernels_match_float64(n, k):
     assert _rel(resid, ref) < 1e-6
 
 
-@pytest.mark.parametrize("by_bits", [False, True], ids=["cvt", "bits"])
+@pytest.mark.parametrize("widening", ["cvt", "bits", "mixed"])
 @pytest.mark.parametrize("n,k,outlier", [(40, 200, 0.0), (40, 2500, 0.0), (40, 2500, 5000.0)])
-def test_fp8_weights_match_float64_of_the_dequantised_weights(n, k, outlier, by_bits, monkeypatch):
+def test_fp8_weights_match_float64_of_the_dequantised_weights(n, k, outlier, widening, monkeypatch):
     """FP8 weights with a scale per row (models/fp8.py), four e4m3 to an int32 times x (x norm) in f16 pairs,
-    the weights widened by conversions or by moving their bits: every kernel against float64 of the dequantised
-    weights. Rounding x to f16 (11 bits) costs ~1e-4; inputs with outliers of 5,000 (a residual stream's largest)
-    must not overflow the f16 products."""
+    the weights widened by conversions, by integer ops or one pair each way: every kernel against float64 of the
+    dequantised weights. Rounding x to f16 (11 bits) costs ~1e-4; inputs with outliers of 5,000 (a residual
+    stream's largest) must not overflow the f16 products."""
     from models import fp8
 
-    monkeypatch.setattr(gemv, "E4M3_BY_BITS", by_bits)
+    monkeypatch.setattr(gemv, "E4M3_WIDENING", widening)
 
     gen = torch.Generator().manual_seed(n * k)
     h, x = torch.randn(1, k, generator=gen), torch.randn(1, k, generator=gen)
@@ -81,18 +81,27 @@ def test_fp8_weights_match_float64_of_the_dequantised_weights(n, k, outlier, by_
     assert _rel(resid, ref) < 1e-3
 
 
-@pytest.mark.parametrize("by_bits", [False, True], ids=["cvt", "bits"])
-def test_fp8_gemv_widens_every_e4m3_value_exactly(by_bits, monkeypatch):
+@pytest.mark.parametrize("widening", ["cvt", "bits", "mixed"])
+def test_fp8_gemv_widens_every_e4m3_value_exactly(widening, monkeypatch):
     """Every e4m3 byte but NaN (signs, subnormals, 448), a row each, times x = 1: each product and sum is exact
     in f16 and float32, so the row's output is exactly 8 x its value, whichever way the weights are widened."""
     from models import fp8
 
-    monkeypatch.setattr(gemv, "E4M3_BY_BITS", by_bits)
+    monkeypatch.setattr(gemv, "E4M3_WIDENING", widening)
     codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
     values = codes[:, None].expand(-1, 8).contiguous().view(fp8.FP8)
     out = torch.zeros(1, len(codes))
     gemv.linear_add_(torch.ones(1, 8), values, None, out, torch.ones(len(codes)))
     assert torch.equal(out[0], 8 * values[:, 0].float())
+
+
+def test_an_unknown_e4m3_widening_is_named(monkeypatch):
+    from models import fp8
+
+    monkeypatch.setattr(gemv, "E4M3_WIDENING", "f32")
+    values, scale = fp8.quantize_rows(torch.randn(8, 8))
+    with pytest.raises(ValueError, match="E4M3_WIDENING.*'f32'"):
+        gemv.linear_add_(torch.ones(1, 8), values, None, torch.zeros(1, 8), scale)
 
 
 def test_fp8_weights_need_four_input_features_an_int32():

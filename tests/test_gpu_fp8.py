@@ -101,13 +101,13 @@ def test_fp8_gemm_scales_after_equals_the_row_wise_kernel(rows, monkeypatch):
     assert relative_error(ours, row_wise.double()) <= 4e-3  # bf16 rounding of either, accumulation order
 
 
-@pytest.mark.parametrize("by_bits", [False, True], ids=["cvt", "bits"])
-def test_fp8_gemv_widens_every_e4m3_value_exactly(by_bits, monkeypatch):
+@pytest.mark.parametrize("widening", ["cvt", "bits", "mixed"])
+def test_fp8_gemv_widens_every_e4m3_value_exactly(widening, monkeypatch):
     """Every e4m3 byte but NaN (signs, subnormals, 448), a row each, times x = 1, compiled (the PTX that widens
     the weights): exact in f16, float32 and bf16, so each output is exactly 8 x its row's value."""
     from models import gemv
 
-    monkeypatch.setattr(gemv, "E4M3_BY_BITS", by_bits)
+    monkeypatch.setattr(gemv, "E4M3_WIDENING", widening)
     codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8, device="cuda")
     values = codes[:, None].expand(-1, 8).contiguous().view(fp8.FP8)
     out = torch.zeros(1, len(codes), device="cuda", dtype=torch.bfloat16)
@@ -116,16 +116,16 @@ def test_fp8_gemv_widens_every_e4m3_value_exactly(by_bits, monkeypatch):
     assert torch.equal(out[0].float(), 8 * values[:, 0].float())
 
 
-@pytest.mark.parametrize("by_bits", [False, True], ids=["cvt", "bits"])
+@pytest.mark.parametrize("widening", ["cvt", "bits", "mixed"])
 @pytest.mark.parametrize(("n", "k", "outlier"), [(6144, 4096, 0), (4096, 4096, 0), (14336, 4096, 0), (4096, 14336, 0),
                                                 (3072, 2048, 0), (14336, 4096, 5000), (4096, 14336, 5000)])
-def test_fp8_gemv_against_float64(n, k, outlier, by_bits, monkeypatch):
-    """The fused single-token layers with FP8 weights (x x norm in f16 pairs; the weights widened by conversions
-    or by moving their bits): float64 on the dequantised weights; inputs with outliers of 5,000 (a residual
-    stream's largest) do not overflow the f16 products."""
+def test_fp8_gemv_against_float64(n, k, outlier, widening, monkeypatch):
+    """The fused single-token layers with FP8 weights (x x norm in f16 pairs; the weights widened by conversions,
+    by integer ops or one pair each way): float64 on the dequantised weights; inputs with outliers of 5,000 (a
+    residual stream's largest) do not overflow the f16 products."""
     from models import gemv
 
-    monkeypatch.setattr(gemv, "E4M3_BY_BITS", by_bits)
+    monkeypatch.setattr(gemv, "E4M3_WIDENING", widening)
 
     gen = torch.Generator(device="cuda").manual_seed(n + k)
     h = torch.randn(1, k, device="cuda", generator=gen)
