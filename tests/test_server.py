@@ -649,6 +649,23 @@ def test_sigterm_with_requests_in_flight_exits_0_within_the_drain_timeout():
 
 
 @pytest.mark.slow
+def test_an_unseeded_request_draws_new_noise_after_a_restart():
+    """Unseeded noise is keyed by the response id, not by the engine's count of requests, which starts at 0 again:
+    a restarted server (a requeued Slurm job, say) does not repeat the draws it made before."""
+    body = {"prompt": "Name a random animal, then describe it:", "temperature": 1.0, "max_tokens": 24}
+    texts = []
+    for _ in range(2):
+        proc, base = start_server()
+        try:
+            status, out = _call(base + "/v1/completions", body, key=None)
+        finally:
+            code, _, log = stop_server(proc)
+        assert status == 200 and code == 0, log
+        texts.append(out["choices"][0]["text"])
+    assert texts[0] and texts[1] and texts[0] != texts[1]
+
+
+@pytest.mark.slow
 def test_tp3_server_on_gloo_gives_tp1s_greedy_texts(llm):
     openai = pytest.importorskip("openai")
     refs = [o.text for o in llm.generate(PROMPTS[:6], SamplingParams(temperature=0, max_new_tokens=16))]

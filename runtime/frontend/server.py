@@ -219,13 +219,14 @@ async def _complete(request: web.Request, url: str) -> web.StreamResponse:
     body = await _json_body(request)
     if isinstance(body, web.Response):
         return body
+    key, created = uuid.uuid4().hex, int(time.time())
     try:
         prompts, sampling, spec = api.parse_request(url, body, state.llm.default_sampling())
         refused = _other_model(state, body)
         if refused is not None:
             return refused
         reqs, sources, prompt_tokens = await asyncio.get_running_loop().run_in_executor(
-            state.prompts, _make_requests, state.llm, prompts, sampling, spec)
+            state.prompts, _make_requests, state.llm, prompts, sampling, spec, key)
     except api.RequestError as exc:
         return _error(400, str(exc), exc.code, exc.param)
     except ValueError as exc:
@@ -238,7 +239,6 @@ async def _complete(request: web.Request, url: str) -> web.StreamResponse:
                            " retry later", "queue_full")
     call = Call(reqs, prompt_tokens, spec.stream, asyncio.get_running_loop(), prompt_only=spec.prompt_only)
     state.serving.submit(call)
-    key, created = uuid.uuid4().hex, int(time.time())
     if spec.stream:
         return await _stream(request, state, call, spec, key, created, sources)
     if not await _wait(request, state, call):
@@ -252,13 +252,15 @@ async def _complete(request: web.Request, url: str) -> web.StreamResponse:
                              dumps=_dumps)
 
 
-def _make_requests(llm: LLM, prompts: list[Any], sampling: Any, spec: api.Request
+def _make_requests(llm: LLM, prompts: list[Any], sampling: Any, spec: api.Request, key: str
                    ) -> tuple[list[Any], list[Any], int]:
     """Encode (and render) the prompts and check that they fit; on the prompts thread. Returns the requests, the
-    prompt each came from, and the prompts' tokens."""
+    prompt each came from, and the prompts' tokens. Unseeded noise is keyed by the response id (``key``), random:
+    keyed by the engine's request count, as a job's rows are by their ids, a restarted server would repeat the
+    draws it made before."""
     reqs, sources, prompt_tokens = [], [], 0
-    for prompt in prompts:
-        group = llm.make_requests(prompt, sampling)
+    for i, prompt in enumerate(prompts):
+        group = llm.make_requests(prompt, sampling, key=(key, i))
         api.check_context(spec, group[0].prompt_len, llm.engine.max_seq_len)
         llm.scheduler.check(group[0])
         reqs += group
