@@ -152,6 +152,15 @@ if triton is not None:
         return ((halves | signs) << 7) & 0xBF80BF80
 
     @triton.jit
+    def _e4m3_pair(w, i: tl.constexpr, BITS: tl.constexpr):
+        """The f16 values (as float32) that ``_dot4``'s PTX makes of e4m3 bytes 2i and 2i + 1 of ``w`` (uint32):
+        the e4m3 values by conversion, or with BITS 2^-8 of them by integer ops."""
+        if BITS:
+            pair = _e4m3_pair_bits(w, i)
+            return _f16_half(pair, 0), _f16_half(pair, 1)
+        return _e4m3_byte(w, 2 * i), _e4m3_byte(w, 2 * i + 1)
+
+    @triton.jit
     def _dot4(w, x01, x23, WIDEN: tl.constexpr, INTERPRET: tl.constexpr):
         """The four e4m3 weights of int32 ``w`` times x packed in f16 pairs (x0 x1, x2 x3): products in f16x2 (two
         summed per half), the halves added in f16 and widened once. Each pair of weights becomes an f16x2 by one
@@ -160,15 +169,9 @@ if triton is not None:
         at a quarter of its integer-op rate, so the mix keeps both units busy."""
         if INTERPRET:  # the interpreter runs no PTX: the same sums by integer ops
             wu = w.to(tl.uint32, bitcast=True)
-            lo0, hi0 = _e4m3_byte(wu, 0), _e4m3_byte(wu, 1)
-            if WIDEN == "bits":
-                first = _e4m3_pair_bits(wu, 0)
-                lo0, hi0 = _f16_half(first, 0), _f16_half(first, 1)
-            lo1, hi1 = _e4m3_byte(wu, 2), _e4m3_byte(wu, 3)
-            if WIDEN != "cvt":
-                second = _e4m3_pair_bits(wu, 1)
-                lo1, hi1 = _f16_half(second, 0), _f16_half(second, 1)
-            return _f16x2_dot_emulated(lo0, hi0, lo1, hi1, x01, x23)
+            first = _e4m3_pair(wu, 0, WIDEN == "bits")
+            second = _e4m3_pair(wu, 1, WIDEN != "cvt")
+            return _f16x2_dot_emulated(first[0], first[1], second[0], second[1], x01, x23)
         if WIDEN == "cvt":
             return tl.inline_asm_elementwise(
                 """{
