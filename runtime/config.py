@@ -382,7 +382,6 @@ def _mapping_keys(schema: type, prefix: str = "") -> dict[str, type]:
 # Keys whose value is a mapping (sampling.logit_bias), with the type of its keys: flattened as one value, its keys
 # as text, so a copy read back from YAML or JSON (which writes keys as strings) equals the live config.
 MAPPINGS = _mapping_keys(RuntimeConfig)
-MAPPING_VALUES = frozenset(MAPPINGS)
 
 
 def _merge_layer(merged: DictConfig, layer: DictConfig, where: str) -> DictConfig:
@@ -415,7 +414,7 @@ def _mapping_key(key: Any, key_type: type, dotted: str, where: str) -> Any:
 def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     """A nested config as ``{"section.key": value}``."""
     key = prefix.rstrip(".")
-    if key in MAPPING_VALUES and isinstance(node, dict):
+    if key in MAPPINGS and isinstance(node, dict):
         return {key: {str(k): v for k, v in sorted(node.items(), key=lambda item: str(item[0]))}}
     if not isinstance(node, dict):
         return {key: node}
