@@ -61,13 +61,15 @@ if triton is not None:
         part_ptr, out_ptr, b, h, live_chunks, HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr,
         GROUP_P2: tl.constexpr, D: tl.constexpr, CHUNKS: tl.constexpr,
     ):
-        """Merge the partial states, read through L2 (``.cg``): this SM's L1 may hold the previous layer's lines."""
+        """Merge the partial states, read through L2 (``.cg``): this SM's L1 may hold the previous layer's lines.
+        Rows past the group (GROUP < GROUP_P2) were never written: they read as a state that merges to 0."""
         ch = tl.arange(0, CHUNKS)[:, None]
         g = tl.arange(0, GROUP_P2)[None, :]
-        live = ch < live_chunks
+        g_ok = g < GROUP
+        live = (ch < live_chunks) & g_ok
         part = part_ptr + (((b * HKV + h) * CHUNKS + ch) * GROUP_P2 + g).to(tl.int64) * (D + 2)
-        m = tl.load(part + D, mask=live, other=float("-inf"), cache_modifier=".cg")
-        lsum = tl.load(part + D + 1, mask=live, other=0.0, cache_modifier=".cg")
+        m = tl.where(g_ok, tl.load(part + D, mask=live, other=float("-inf"), cache_modifier=".cg"), 0.0)
+        lsum = tl.where(g_ok, tl.load(part + D + 1, mask=live, other=0.0, cache_modifier=".cg"), 1.0)
         m_all = tl.max(m, axis=0)
         w = tl.exp2(m - m_all[None, :])
         denom = tl.sum(w * lsum, axis=0)
