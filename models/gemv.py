@@ -223,24 +223,17 @@ if triton is not None:
             "=f,r,r,r", [w, x01, x23], dtype=tl.float32, is_pure=True, pack=1)
 
     @triton.jit
-    def _x_load(x_ptr, norm_ptr, q, KQ: tl.constexpr, NORM: tl.constexpr):
-        """x[4q .. 4q+3] and with NORM the norm weight there, as loaded (one vector load a quad each)."""
+    def _x_quads(x_ptr, norm_ptr, q, KQ: tl.constexpr, NORM: tl.constexpr, X01_SCALE: tl.constexpr,
+                 X23_SCALE: tl.constexpr, INTERPRET: tl.constexpr):
+        """x[4q .. 4q+3] (times the norm weight) packed as two f16 pairs, x0 x1 scaled by X01_SCALE and x2 x3 by
+        X23_SCALE, and with NORM the sum of their squares. Each quad is one vector load, split in registers."""
         ok = (q < KQ)[:, None]
         at = 4 * q[:, None] + tl.arange(0, 4)[None, :]
-        x = tl.load(x_ptr + at, mask=ok, other=0.0)
-        nw = tl.load(norm_ptr + at, mask=ok, other=0.0) if NORM else x
-        return x, nw
-
-    @triton.jit
-    def _x_pack(x, nw, NORM: tl.constexpr, X01_SCALE: tl.constexpr, X23_SCALE: tl.constexpr,
-                INTERPRET: tl.constexpr):
-        """Loaded quads of x (times the norm weight) as two f16 pairs, x0 x1 scaled by X01_SCALE and x2 x3 by
-        X23_SCALE, and with NORM the sum of their squares. Each quad is split in registers."""
-        x = x.to(tl.float32)
+        x = tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32)
         sq = x  # unused without NORM
         if NORM:
             sq = tl.sum(x * x, axis=1)
-            x = x * nw.to(tl.float32)
+            x = x * tl.load(norm_ptr + at, mask=ok, other=0.0).to(tl.float32)
         even, odd = tl.split(tl.reshape(x, (x.shape[0], 2, 2)))  # [q, i]: x[4q + 2i], x[4q + 2i + 1]
         x0, x2 = tl.split(even)
         x1, x3 = tl.split(odd)
@@ -248,75 +241,42 @@ if triton is not None:
                 _pack_f16x2(x2 * X23_SCALE, x3 * X23_SCALE, INTERPRET), sq)
 
     @triton.jit
-    def _w_block(w_rows, n_ok, qk, N: tl.constexpr, KQ: tl.constexpr, SILU: tl.constexpr):
-        """One block of int32 weight quads (and with SILU the up rows'); quads past K read nothing."""
-        w_ok = n_ok[:, None] & (qk < KQ)[None, :]
-        # Weights are read once per step: keep them from pushing x and the activations out of L2.
-        w = tl.load(w_rows + qk[None, :], mask=w_ok, other=0, eviction_policy="evict_first")
-        up = w
-        if SILU:
-            up = tl.load(w_rows + N * KQ + qk[None, :], mask=w_ok, other=0, eviction_policy="evict_first")
-        return w, up
-
-    @triton.jit
     def _row_gemv_e4m3(
         x_ptr, w_ptr, scale_ptr, bias_ptr, norm_ptr, out_ptr, eps, N: tl.constexpr, K: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr, ADD: tl.constexpr,
         HAS_BIAS: tl.constexpr, PDL: tl.constexpr, PRODUCT_SCALE: tl.constexpr,
-        X01_SCALE: tl.constexpr, X23_SCALE: tl.constexpr, WIDEN: tl.constexpr, AHEAD: tl.constexpr,
-        INTERPRET: tl.constexpr,
+        X01_SCALE: tl.constexpr, X23_SCALE: tl.constexpr, WIDEN: tl.constexpr, INTERPRET: tl.constexpr,
     ):
         """``_row_gemv`` for e4m3 weights read as int32 (``w_ptr``: four weights each, K % 4 == 0), widened as
-        WIDEN says (``_dot4``). With AHEAD 1 or 2 the loads of the weights run that many blocks ahead of the
-        products (and x's one block ahead), so a program keeps reads in flight while it multiplies; the first
-        AHEAD blocks (one with AHEAD 0) are read before ``gdc_wait``."""
+        WIDEN says (``_dot4``)."""
         KQ: tl.constexpr = K // 4
         BQ: tl.constexpr = BLOCK_K // 4
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
         q = tl.arange(0, BQ)
         w_rows = w_ptr + n[:, None].to(tl.int64) * KQ
-        w, up = _w_block(w_rows, n_ok, q, N, KQ, SILU)
-        w1, up1 = w, up  # the block after w's, with AHEAD 2
-        if AHEAD == 2:
-            w1, up1 = _w_block(w_rows, n_ok, q + BQ, N, KQ, SILU)
-        if PDL:
-            tl.extra.cuda.gdc_wait()  # the previous kernel's writes (x, out) are visible from here on
-            tl.extra.cuda.gdc_launch_dependents()
-        xr, nw = _x_load(x_ptr, norm_ptr, q, KQ, NORM)
-        xa, xb, sq = _x_pack(xr, nw, NORM, X01_SCALE, X23_SCALE, INTERPRET)
-        if AHEAD == 0:
-            acc = _dot4(w, xa[None, :], xb[None, :], WIDEN, INTERPRET)
-            acc_up = _dot4(up, xa[None, :], xb[None, :], WIDEN, INTERPRET) if SILU else acc
-            for q0 in range(BQ, KQ, BQ):
-                qk = q0 + q
-                xr, nw = _x_load(x_ptr, norm_ptr, qk, KQ, NORM)
-                xa, xb, part = _x_pack(xr, nw, NORM, X01_SCALE, X23_SCALE, INTERPRET)
-                if NORM:
-                    sq += part
-                w, up = _w_block(w_rows, n_ok, qk, N, KQ, SILU)
-                acc += _dot4(w, xa[None, :], xb[None, :], WIDEN, INTERPRET)
-                if SILU:
-                    acc_up += _dot4(up, xa[None, :], xb[None, :], WIDEN, INTERPRET)
+        w_ok = n_ok[:, None] & (q < KQ)[None, :]
+        w = tl.load(w_rows + q[None, :], mask=w_ok, other=0, eviction_policy="evict_first")
+        if SILU:
+            up = tl.load(w_rows + N * KQ + q[None, :], mask=w_ok, other=0, eviction_policy="evict_first")
         else:
-            acc = tl.zeros((BLOCK_N, BQ), tl.float32)
-            acc_up = acc
-            for q0 in range(BQ, KQ, BQ):  # w, xa, xb: the block before q0
-                qk = q0 + q
-                w_new, up_new = _w_block(w_rows, n_ok, qk + (AHEAD - 1) * BQ, N, KQ, SILU)
-                xr, nw = _x_load(x_ptr, norm_ptr, qk, KQ, NORM)
-                acc += _dot4(w, xa[None, :], xb[None, :], WIDEN, INTERPRET)
-                if SILU:
-                    acc_up += _dot4(up, xa[None, :], xb[None, :], WIDEN, INTERPRET)
-                xa, xb, part = _x_pack(xr, nw, NORM, X01_SCALE, X23_SCALE, INTERPRET)
-                if NORM:
-                    sq += part
-                if AHEAD == 2:
-                    w, up, w1, up1 = w1, up1, w_new, up_new
-                else:
-                    w, up = w_new, up_new
+            up = w
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        xa, xb, sq = _x_quads(x_ptr, norm_ptr, q, KQ, NORM, X01_SCALE, X23_SCALE, INTERPRET)
+        acc = _dot4(w, xa[None, :], xb[None, :], WIDEN, INTERPRET)
+        acc_up = _dot4(up, xa[None, :], xb[None, :], WIDEN, INTERPRET) if SILU else acc
+        for q0 in range(BQ, KQ, BQ):
+            qk = q0 + q
+            xa, xb, part = _x_quads(x_ptr, norm_ptr, qk, KQ, NORM, X01_SCALE, X23_SCALE, INTERPRET)
+            if NORM:
+                sq += part
+            w_ok = n_ok[:, None] & (qk < KQ)[None, :]
+            w = tl.load(w_rows + qk[None, :], mask=w_ok, other=0, eviction_policy="evict_first")
             acc += _dot4(w, xa[None, :], xb[None, :], WIDEN, INTERPRET)
             if SILU:
+                up = tl.load(w_rows + N * KQ + qk[None, :], mask=w_ok, other=0, eviction_policy="evict_first")
                 acc_up += _dot4(up, xa[None, :], xb[None, :], WIDEN, INTERPRET)
         _finish_rows(acc, acc_up, sq, n, n_ok, scale_ptr, bias_ptr, out_ptr, eps, N, K, NORM, SILU, ADD, HAS_BIAS,
                      PRODUCT_SCALE)
@@ -344,9 +304,6 @@ E4M3_BITS_X_SCALE = 0.5
 # ops) or "mixed" (one pair each way). Measure with scripts/bench_gemv.py --fp8 --widening all.
 E4M3_WIDENINGS = ("cvt", "bits", "mixed")
 E4M3_WIDENING = "cvt"
-# How many blocks ahead of its products a one-request FP8 program reads its weights (0, 1 or 2): reads in flight
-# while it multiplies. Measure with scripts/bench_gemv.py --fp8 --ahead all.
-E4M3_BLOCKS_AHEAD = 0
 
 
 def _x_scales(widening: str) -> tuple[float, float]:
@@ -402,7 +359,7 @@ def _launch(
             norm if norm is not None else scale, out, eps, N=n, K=k, BLOCK_N=block_n, BLOCK_K=block_k,
             NORM=norm is not None, SILU=silu, ADD=add, HAS_BIAS=bias is not None, PDL=pdl,
             PRODUCT_SCALE=E4M3_X_SCALE, X01_SCALE=x01_scale, X23_SCALE=x23_scale, WIDEN=E4M3_WIDENING,
-            AHEAD=E4M3_BLOCKS_AHEAD, INTERPRET=INTERPRET, launch_pdl=pdl, num_warps=warps, num_stages=stages,
+            INTERPRET=INTERPRET, launch_pdl=pdl, num_warps=warps, num_stages=stages,
         )
         return
     _row_gemv[(triton.cdiv(n, block_n),)](

@@ -1,13 +1,11 @@
 """Micro-benchmark: a decoder layer's weight passes for one token, unfused against fused, in CUDA graphs.
 
-    python scripts/bench_gemv.py [--shapes 1B,8B,SmolLM2] [--sweep] [--fp8 [--widening cvt|bits|mixed|all]
-                                                                         [--ahead 0|1|2|all]]
+    python scripts/bench_gemv.py [--shapes 1B,8B,SmolLM2] [--sweep] [--fp8 [--widening cvt|bits|mixed|all]]
 
 The stack is deep enough that L2 never serves the weights; ``--sweep`` varies one kernel's tile at a time;
 ``--fp8`` times e4m3 weights with a scale per row (the fused kernels only), widened to f16 by conversion
-instructions (cvt), integer ops (bits) or one pair each way (mixed: ``models.gemv.E4M3_WIDENING``), the weights
-read 0, 1 or 2 blocks ahead of the products (``models.gemv.E4M3_BLOCKS_AHEAD``); ``all`` alternates the choices,
-three times.
+instructions (cvt), integer ops (bits) or one pair each way (mixed: ``models.gemv.E4M3_WIDENING``); ``all``
+alternates the three, three times.
 """
 
 from __future__ import annotations
@@ -131,11 +129,10 @@ def patched_tile(overrides: dict[KernelKey, Tile]) -> Callable[[int, int, bool, 
     return tile
 
 
-def _precompile(shape: tuple[int, int, int], work: list[tuple[str, Tile]], fp8: bool, widening: str,
-                ahead: int) -> None:
+def _precompile(shape: tuple[int, int, int], work: list[tuple[str, Tile]], fp8: bool, widening: str) -> None:
     """Worker: run each (kernel, tile) once so that Triton's on-disk cache holds it for the parent. A spawned
-    worker imports models.gemv afresh, so it is told the parent's FP8 kernel choices."""
-    gemv.E4M3_WIDENING, gemv.E4M3_BLOCKS_AHEAD = widening, ahead
+    worker imports models.gemv afresh, so it is told the parent's widening."""
+    gemv.E4M3_WIDENING = widening
     hidden, qkv, inter = shape
     keys = kernel_keys(hidden, qkv, inter)
     layer = make_layers(hidden, qkv, inter, count=1, fp8=fp8)[0]
@@ -168,8 +165,8 @@ def sweep(layers: list[dict], hidden: int, qkv: int, inter: int, workers: int,
     work = [(name, t) for name, key in keys.items() for t in candidate_tiles(*key)]
     started = time.perf_counter()
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        pool.starmap(_precompile, [((hidden, qkv, inter), work[i::workers], fp8, gemv.E4M3_WIDENING,
-                                    gemv.E4M3_BLOCKS_AHEAD) for i in range(workers)])
+        pool.starmap(_precompile, [((hidden, qkv, inter), work[i::workers], fp8, gemv.E4M3_WIDENING)
+                                   for i in range(workers)])
     print(f"  compiled {len(work)} tiles in {time.perf_counter() - started:.0f} s", flush=True)
     h = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
     attn = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
@@ -209,20 +206,11 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true", help="e4m3 weights, fused kernels only")
     parser.add_argument("--widening", choices=[*gemv.E4M3_WIDENINGS, "all"], default=None,
                         help="with --fp8: how e4m3 becomes f16 (default: the engine's); all: each, alternated")
-    parser.add_argument("--ahead", choices=["0", "1", "2", "all"], default=None,
-                        help="with --fp8: blocks of weights read ahead of the products (default: the engine's); "
-                             "all: each, alternated")
     args = parser.parse_args()
-    if "all" in (args.widening, args.ahead) and args.sweep:
-        parser.error("--sweep takes one --widening and one --ahead")
+    if args.widening == "all" and args.sweep:
+        parser.error("--sweep takes one --widening")
     if args.widening in gemv.E4M3_WIDENINGS:
         gemv.E4M3_WIDENING = args.widening
-    if args.ahead not in (None, "all"):
-        gemv.E4M3_BLOCKS_AHEAD = int(args.ahead)
-    widenings = gemv.E4M3_WIDENINGS if args.widening == "all" else (gemv.E4M3_WIDENING,)
-    aheads = (0, 1, 2) if args.ahead == "all" else (gemv.E4M3_BLOCKS_AHEAD,)
-    variants = list(itertools.product(widenings, aheads))
-    variants *= 3 if len(variants) > 1 else 1
     record: dict[str, dict] = {}
     for shape in args.shapes.split(","):
         hidden, qkv, inter = SHAPES[shape]
@@ -233,10 +221,11 @@ def main() -> None:
         if args.sweep:
             sweep(layers, hidden, qkv, inter, args.workers, record.setdefault(shape, {}), args.fp8)
         if args.fp8:
-            for widening, ahead in variants:
-                gemv.E4M3_WIDENING, gemv.E4M3_BLOCKS_AHEAD = widening, ahead
+            widenings = list(gemv.E4M3_WIDENINGS) * 3 if args.widening == "all" else [gemv.E4M3_WIDENING]
+            for widening in widenings:
+                gemv.E4M3_WIDENING = widening
                 fused = replay_us(fused_stack(layers, h, attn)) / len(layers)
-                print(f"{shape:8}: fused FP8 ({widening}, {ahead} ahead) {fused:7.2f} us/layer "
+                print(f"{shape:8}: fused FP8 ({widening}) {fused:7.2f} us/layer "
                       f"{layer_kb / fused:5.0f} GB/s  [{len(layers)} layers]", flush=True)
             del layers
             continue
