@@ -178,6 +178,17 @@ def test_the_last_chunk_merges_and_leaves_its_counter_at_zero():
     torch.testing.assert_close(run(again, 64, workspace=workspace, counters=counters), first, rtol=0, atol=0)
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_the_merge_reads_only_the_rows_its_chunks_wrote():
+    """Seven q heads a KV head fill 7 of the merge's 8 rows; the eighth is never written. A workspace of huge
+    values (what unwritten memory may hold) must stay out of the merge's arithmetic, where the interpreter raises
+    on the overflow it would cause; the result equals float64."""
+    case = make_case(14, 2, 16, [130, 40], 16, torch.float32, seed=3)
+    ref = reference(case)[0]
+    workspace = torch.full((10_000,), 3e38)
+    torch.testing.assert_close(run(case, 64, workspace=workspace).double(), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_a_separate_q_tensor_is_read_through_its_strides():
     case = make_case(4, 2, 32, [9, 90], 16, torch.float32, fused_q=False, seed=2)
     torch.testing.assert_close(run(case, 64).double(), reference(case)[0], rtol=1e-5, atol=1e-5)
